@@ -379,8 +379,10 @@ def _redis_check_parser(sub: Any) -> None:
                     "stored: ghosts (counted, not stored: a write cut short, or frames lost with a master) and "
                     "orphans (stored, not counted: a victim's DEL that never arrived, or the index lost with its "
                     "master), and blocks counted at another size than their stored frame's (wrong_size: a snapshot "
-                    "restored mid-write, or two writers of different frames under one hash). --fix forgets the ghosts, "
-                    "counts the orphans again from their headers and the wrong sizes at their frames'; where the "
+                    "restored mid-write, or two writers of different frames under one hash), and owner tags of "
+                    "blocks no longer counted (stale_owner_tags: left by the evictions of a release before owner "
+                    "tags). --fix forgets the ghosts, counts the orphans again from their headers and the wrong "
+                    "sizes at their frames', and removes the stale owner tags; where the "
                     "namespace holds more than --redis-bytes it refuses, unless --evict is given too (then the least "
                     "recently used are evicted down to it, and counted in the output's \"evicted\"). Defaults come "
                     "from the server's CACHESEEK_REDIS_* variables. Exit status: 0 consistent (or repaired), "
@@ -395,7 +397,8 @@ def _redis_check_parser(sub: Any) -> None:
     p.add_argument("--redis-namespace", default=env("CACHESEEK_REDIS_NAMESPACE", ""),
                    help="empty: the default namespace, as the servers take an empty CACHESEEK_REDIS_NAMESPACE")
     p.add_argument("--fix", action="store_true",
-                   help="forget the ghosts, adopt the orphans and count the wrong sizes at their frames', then check again")
+                   help="forget the ghosts, adopt the orphans, count the wrong sizes at their frames' and remove the "
+                        "stale owner tags, then check again")
     p.add_argument("--evict", action="store_true",
                    help="with --fix, where the namespace holds more than --redis-bytes (given, or from "
                         "CACHESEEK_REDIS_BYTES), evict the least recently used down to it")
@@ -441,7 +444,7 @@ def _redis_check(args: argparse.Namespace) -> int:
         tier.close()
     print(json.dumps(report, indent=2))
     last = report.get("after_fix", report["found"])
-    return 0 if last["ghosts"] == last["orphans"] == last["wrong_size"] == 0 else 1
+    return 0 if last["ghosts"] == last["orphans"] == last["wrong_size"] == last["stale_owner_tags"] == 0 else 1
 
 
 def _plan_parser(sub: Any) -> None:

@@ -713,7 +713,7 @@ def test_redis_pins_skip_eviction_and_the_ttl_and_refuse_writes_when_full(tmp_pa
         store.pin(full[-1][0])
         err = redis.put_many([frames(9, 1)[0]])[0].error
         assert err is not None and "pinned" in str(err)
-        assert redis.check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert redis.check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     finally:
         srv.stop()
 

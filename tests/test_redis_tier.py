@@ -272,7 +272,7 @@ def test_the_budget_holds_and_chains_lose_their_tails_first(redis_url):
     cache.ingest(toks_c, kv_c)  # A was used last: B's tail goes now
     assert (cache.lookup(toks_a), cache.lookup(toks_b), cache.lookup(toks_c)) == (2 * BLOCK, 2 * BLOCK, 2 * BLOCK)
     tier = cache.store.tier("redis")
-    assert tier.check() == {"ok": 6, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+    assert tier.check() == {"ok": 6, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
 
 
 def test_clients_sharing_a_namespace_share_one_budget(redis_url, server):
@@ -315,7 +315,7 @@ def test_a_batch_larger_than_the_budget_keeps_its_head(redis_url):
     assert res.failed == 0
     assert cache.lookup(toks) == 3 * BLOCK
     assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
-    assert cache.store.tier("redis").check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+    assert cache.store.tier("redis").check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
 
 
 def test_ttl_expires_blocks_unused_that_long(redis_url, server):
@@ -470,7 +470,7 @@ def test_another_releases_frames_of_a_prefix_in_use_are_written_over_by_its_next
     assert cache.lookup(toks) == 4 * BLOCK
     stats = redis_stats(cache)
     assert stats["used_bytes"] == sum(client.strlen(name) for name in names)
-    assert tier.check() == {"ok": 4, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+    assert tier.check() == {"ok": 4, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     cache.close()
 
 
@@ -504,7 +504,7 @@ def test_a_save_writes_over_another_releases_frame_this_process_never_read(redis
         for key, frame in frames:
             assert c.get(tier.keys_of.frame(key)) == frame.to_bytes()
         assert tier.stats().used_bytes == sum(f.nbytes for _, f in frames)
-        assert tier.check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert tier.check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     finally:
         tier.close()
 
@@ -572,11 +572,63 @@ def test_check_finds_ghosts_and_orphans_and_fixes_them(redis_url):
     c.delete(keys.frame(h[2]))  # a ghost: an interrupted write (long ago: see the grace below)
     c.zadd(keys.lru, {h[2].hex(): 1}, xx=True)
     tier._index.queue(c, forget=[h[1].hex()])  # an orphan: an eviction whose DEL was lost
-    assert tier.check() == {"ok": 1, "ghosts": 1, "orphans": 1, "wrong_size": 0}
+    assert tier.check() == {"ok": 1, "ghosts": 1, "orphans": 1, "wrong_size": 0, "stale_owner_tags": 0}
     tier.check(fix=True)
-    assert tier.check() == {"ok": 2, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+    assert tier.check() == {"ok": 2, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     redis = redis_stats(cache)
     assert redis["blocks"] == 2 and redis["used_bytes"] == 2 * tier.info(h[0]).nbytes
+
+
+def test_check_finds_owner_tags_of_blocks_no_longer_counted_and_fix_removes_them(redis_url):
+    """A release before owner tags shares the namespace: its evictions drop a block from the
+    index but not its tag in ``{prefix:ns}:owner`` (its script knows no such hash). Such tags
+    stayed for good, outside the budget, and ``redis-check`` said the namespace was clean.
+    Now ``check`` counts them (``stale_owner_tags``; redis-check exits 1), and ``fix``
+    removes them, each only while its block is still uncounted: a put of one between the
+    scan and the repair keeps its tag."""
+    from server_helpers import cacheseek_command
+
+    frames = [_frame(i) for i in range(70, 75)]
+    tier = RedisTier(redis_url, 64 << 20)
+    tier.owner_tag = lambda key: "tenA"
+    c = tier._connection()
+    try:
+        tier.put_many(frames)
+        members = [RedisKeys.member(k) for k, _ in frames]
+        for m in members[:3]:  # evicted by the older release: index entry and frame gone, tag left
+            tier._index.queue(c, forget=[m])
+            c.delete(tier.keys_of.frame_of_member(m))
+            c.hset(tier.keys_of.owners, m, "tenA")
+        assert tier.check() == {"ok": 2, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 3}
+        command = [*cacheseek_command(), "redis-check", "--redis-url", redis_url, "--redis-bytes", "64MiB"]
+        found = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert found.returncode == 1 and json.loads(found.stdout)["found"]["stale_owner_tags"] == 3, found.stderr
+        # One of them is put again (counted, tagged) between the check's scan and its repair.
+        real = tier._index.drop_stale_owner_tags
+
+        def put_first(client, stale):
+            assert sorted(stale) == sorted(members[:3])
+            tier.put_many([frames[0]])
+            return real(client, stale)
+
+        tier._index = _IndexWith(tier._index, drop_stale_owner_tags=put_first)
+        assert tier.check(fix=True)["stale_owner_tags"] == 3
+        assert c.hget(tier.keys_of.owners, members[0]) == b"tenA"  # the put's own tag, kept
+        assert sorted(c.hkeys(tier.keys_of.owners)) == sorted(m.encode() for m in [members[0], *members[3:]])
+        assert tier.check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
+        assert tier.owned(lambda tag: tag == "tenA") and len(tier.owned(lambda tag: tag == "tenA")) == 3
+    finally:
+        tier.close()
+
+
+class _IndexWith:
+    """A ``SharedIndex`` with some methods replaced (it is a frozen dataclass)."""
+
+    def __init__(self, inner, **methods):
+        self._inner, self._methods = inner, methods
+
+    def __getattr__(self, name):
+        return self._methods.get(name) or getattr(self._inner, name)
 
 
 def test_redis_refusing_writes_is_counted_without_opening_the_breaker(redis_url, server):
@@ -642,7 +694,7 @@ def test_a_block_pinned_by_another_process_during_a_put_keeps_its_frame(redis_ur
         s = other.stats()
         assert (s.blocks, s.pinned_blocks) == (1, 1)
         assert other.get(key) is not None  # counted, pinned, and stored: not taken for evicted
-        assert other.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert other.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     finally:
         writer.close()
         other.close()
@@ -661,7 +713,7 @@ def test_a_put_finding_its_block_expired_in_the_index_writes_it_again(redis_url)
         assert again.error is None
         assert tier.get(key) is not None  # not deleted with the other expired entries
         assert int(c.pttl(tier.keys_of.frame(key))) > 50_000
-        assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     finally:
         tier.close()
 
@@ -684,7 +736,7 @@ def test_a_refused_rewrite_of_an_expired_block_leaves_no_uncounted_value(redis_u
         finally:
             server.cli("CONFIG", "SET", "maxmemory", "0")
         assert not c.exists(tier.keys_of.frame(key))  # not left behind, uncounted
-        assert tier.check() == {"ok": 0, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert tier.check() == {"ok": 0, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     finally:
         tier.close()
 
@@ -889,7 +941,7 @@ def test_a_read_forgets_a_ghost_idle_past_the_grace_and_no_other(redis_url):
         del tier._pipelined
         # ``fresh`` may be a write in flight, ``pinned`` is kept by its pin, ``back`` is stored.
         assert sorted(tier.keys()) == sorted([fresh, pinned, back])
-        assert tier.check() == {"ok": 1, "ghosts": 2, "orphans": 0, "wrong_size": 0}
+        assert tier.check() == {"ok": 1, "ghosts": 2, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
         assert tier.stats().blocks == 3
     finally:
         tier.close()
@@ -916,14 +968,14 @@ def test_redis_check_fix_while_a_put_is_in_flight_keeps_the_write(redis_url):
     try:
         put.start()
         assert counted.wait(10)
-        assert checker.check() == {"ok": 0, "ghosts": 1, "orphans": 0, "wrong_size": 0}  # (a write in flight looks like one)
+        assert checker.check() == {"ok": 0, "ghosts": 1, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}  # (a write in flight looks like one)
         checker.check(fix=True)
         go.set()
         put.join(10)
         assert results and results[0].error is None and results[0].stored is not None
         got = checker.get(key)
         assert got is not None and bytes(got.host) == frame.to_bytes()
-        assert checker.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert checker.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
         # An old ghost still goes (and a pinned one, which no write is filling: see below).
         (old, old_frame), (pinned, pinned_frame) = _frame(51), _frame(52)
         checker.put_many([(old, old_frame), (pinned, pinned_frame)])
@@ -932,8 +984,8 @@ def test_redis_check_fix_while_a_put_is_in_flight_keeps_the_write(redis_url):
         for k in (old, pinned):
             c.delete(checker.keys_of.frame(k))
         c.zadd(checker.keys_of.lru, {RedisKeys.member(old): 1}, xx=True)  # idle past the grace
-        assert checker.check(fix=True) == {"ok": 1, "ghosts": 2, "orphans": 0, "wrong_size": 0}
-        assert checker.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert checker.check(fix=True) == {"ok": 1, "ghosts": 2, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
+        assert checker.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     finally:
         go.set()
         put.join(10)
@@ -1019,8 +1071,8 @@ def test_a_snapshot_restored_between_a_puts_count_and_its_set_is_counted_as_stor
         assert tier.stats().used_bytes == wide.nbytes and _stored_bytes(tier) == small.nbytes
         report = tier.check(fix=True, ghost_grace_seconds=0)
         assert tier.stats().used_bytes == _stored_bytes(tier) == small.nbytes
-        assert report == {"ok": 0, "ghosts": 0, "orphans": 0, "wrong_size": 1}
-        assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert report == {"ok": 0, "ghosts": 0, "orphans": 0, "wrong_size": 1, "stale_owner_tags": 0}
+        assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
         assert bytes(tier.get(key).host) == small.to_bytes()
     finally:
         tier.close()
@@ -1039,12 +1091,12 @@ def test_writers_of_frames_of_different_sizes_whose_sets_cross_are_counted_as_st
         assert bytes(b.get(key).host) == wide.to_bytes()
         assert a.stats().used_bytes == small.nbytes and _stored_bytes(a) == wide.nbytes
         # Used within the grace: it may be a put in flight (counted, its SET not landed), left.
-        assert a.check(fix=True) == {"ok": 0, "ghosts": 0, "orphans": 0, "wrong_size": 1}
+        assert a.check(fix=True) == {"ok": 0, "ghosts": 0, "orphans": 0, "wrong_size": 1, "stale_owner_tags": 0}
         assert a.check()["wrong_size"] == 1
         a._connection().zadd(a.keys_of.lru, {RedisKeys.member(key): 1}, xx=True)  # idle past the grace
         a.check(fix=True)
         assert a.stats().used_bytes == b.stats().used_bytes == _stored_bytes(a) == wide.nbytes
-        assert a.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert a.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     finally:
         a.close()
         b.close()
@@ -1071,18 +1123,18 @@ def test_check_counts_a_pinned_wrong_size_at_once_and_leaves_one_a_put_counted_a
             return found
 
         tier.info = info
-        assert tier.check(fix=True, ghost_grace_seconds=0) == {"ok": 0, "ghosts": 0, "orphans": 0, "wrong_size": 2}
+        assert tier.check(fix=True, ghost_grace_seconds=0) == {"ok": 0, "ghosts": 0, "orphans": 0, "wrong_size": 2, "stale_owner_tags": 0}
         del tier.info
         st = tier.stats()
         # ``key`` is left as that put counted it, not counted at the size the scan read.
         assert st.used_bytes == held_small.nbytes + widest.nbytes == _stored_bytes(tier)
-        assert tier.check() == {"ok": 2, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert tier.check() == {"ok": 2, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
         # A pinned block has no LRU entry to age: counted at its value's size at once.
         c.set(tier.keys_of.frame(held), held_wide.to_bytes())
-        assert tier.check(fix=True) == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 1}
+        assert tier.check(fix=True) == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 1, "stale_owner_tags": 0}
         st = tier.stats()
         assert st.pinned_bytes == held_wide.nbytes and st.used_bytes == _stored_bytes(tier)
-        assert tier.check() == {"ok": 2, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert tier.check() == {"ok": 2, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     finally:
         tier.close()
         other.close()
@@ -1194,7 +1246,7 @@ def test_soak_processes_sharing_a_namespace_through_redis_restarts_serve_no_wron
             while tier.stats().pinned_blocks and time.monotonic() < deadline:
                 time.sleep(0.1)
             tier.check(fix=True, ghost_grace_seconds=0)  # (a kill between a put's steps: ghosts, orphans)
-            assert tier.check() == {"ok": tier.stats().blocks, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+            assert tier.check() == {"ok": tier.stats().blocks, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
             c = tier._connection()
             stored = sum(int(c.strlen(n)) for n in c.scan_iter(match=tier.keys_of.frame_pattern))
             assert tier.stats().used_bytes == stored <= budget
@@ -1371,7 +1423,7 @@ def test_cluster_chains_span_masters_and_round_trip_exactly(cluster):
     small = rcache(cluster.url, redis_namespace="small", redis_bytes=3 * FRAME)
     small.ingest(toks, kv)
     assert small.lookup(toks) == 3 * BLOCK
-    assert small.store.tier("redis").check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+    assert small.store.tier("redis").check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     # Corruption on one master is found and dropped there.
     client.set(RedisKeys().frame(hashes[4]), b"garbage")
     assert cache.materialize(toks).num_tokens == 4 * BLOCK
@@ -1646,7 +1698,7 @@ def test_victims_whose_deletes_a_fault_kept_from_redis_are_deleted_by_the_next_c
         assert stats.extra["owed_drops"] == 0  # the stats' own call sent them
         assert stats.evictions == 1  # (counted, though the write that evicted failed)
         assert not r.exists(tier.keys_of.frame(frames[0][0]))
-        assert tier.check() == {"ok": 2, "ghosts": 1, "orphans": 0, "wrong_size": 0}  # (the failed write's own entry: a ghost)
+        assert tier.check() == {"ok": 2, "ghosts": 1, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}  # (the failed write's own entry: a ghost)
     finally:
         tier.close()
 
@@ -1707,7 +1759,7 @@ def test_a_victims_delete_that_lands_after_another_process_acknowledged_it_takes
         evictor.join(30)
         got = a.get(x[0])
         assert got is not None and bytes(got.host) == bytes(x[1].host)
-        assert a.check() == {"ok": 2, "ghosts": 0, "orphans": 0, "wrong_size": 0}  # X and Y (A's put evicted W)
+        assert a.check() == {"ok": 2, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}  # X and Y (A's put evicted W)
     finally:
         go.set()
         for t in (a, b, c):
@@ -1739,7 +1791,7 @@ def test_in_a_cluster_each_frame_has_a_generation_key_that_goes_with_it(cluster)
         assert [gen(k) for k, _ in frames[:2]] == [None, None] and gen(frames[2][0]) == first[2]
         assert tier.delete(frames[3][0]) and gen(frames[3][0]) is None
         tier.put(*frames[0])  # counted anew: a newer generation than any before
-        assert gen(frames[0][0]) > max(first) and tier.check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert gen(frames[0][0]) > max(first) and tier.check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
         left = [k for node in cluster.nodes for k in node.cli("--scan", "--pattern", "cacheseek:gens:gen:*").split()]
         assert len(left) == 3
         # An orphan (uncounted, as a victim whose DEL never came) adopted is marked with the
@@ -1762,7 +1814,7 @@ def test_in_a_cluster_scripts_in_a_pipeline_are_routed_without_asking_a_server(c
         for j in range(0, len(frames), 4):  # every put after the first evicts four
             assert all(r.error is None for r in tier.put_many(frames[j:j + 4]))
         tier.touch([k for k, _ in frames[-4:]])
-        assert tier.check() == {"ok": 4, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert tier.check() == {"ok": 4, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     finally:
         tier.close()
     stats = "".join(node.cli("INFO", "commandstats") for node in cluster.nodes)
@@ -1807,10 +1859,12 @@ def test_a_cluster_master_killed_and_restarted_costs_misses_and_redis_check_repa
         command = [*cacheseek_command(), "redis-check", "--redis-url", cluster.url, "--redis-bytes", "64MiB"]
         found = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert found.returncode == 1, found.stderr
-        assert json.loads(found.stdout)["found"] == {"ok": 1, "ghosts": 0, "orphans": len(survivors), "wrong_size": 0}
+        assert json.loads(found.stdout)["found"] == {"ok": 1, "ghosts": 0, "orphans": len(survivors), "wrong_size": 0,
+                                                     "stale_owner_tags": 0}
         fixed = subprocess.run([*command, "--fix"], capture_output=True, text=True, timeout=120)
         assert fixed.returncode == 0, fixed.stderr
-        assert json.loads(fixed.stdout)["after_fix"] == {"ok": 1 + len(survivors), "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert json.loads(fixed.stdout)["after_fix"] == {"ok": 1 + len(survivors), "ghosts": 0, "orphans": 0,
+                                                         "wrong_size": 0, "stale_owner_tags": 0}
         assert tier.stats().blocks == 1 + len(survivors)
         assert all(tier.get(k) is not None for k in survivors)
     finally:
@@ -1877,7 +1931,7 @@ def test_redis_check_fix_refuses_to_evict_a_namespace_down_to_a_smaller_budget(r
     try:
         tier.put_many(frames[:-1])
         tier._connection().set(tier.keys_of.frame(frames[-1][0]), bytes(frames[-1][1].host))  # an orphan
-        assert tier.check() == {"ok": 11, "ghosts": 0, "orphans": 1, "wrong_size": 0}
+        assert tier.check() == {"ok": 11, "ghosts": 0, "orphans": 1, "wrong_size": 0, "stale_owner_tags": 0}
         env = {k: v for k, v in os.environ.items() if not k.startswith("CACHESEEK_")}
 
         def redis_check(*args):
@@ -1887,10 +1941,10 @@ def test_redis_check_fix_refuses_to_evict_a_namespace_down_to_a_smaller_budget(r
         done = redis_check("--redis-bytes", str(4 * size), "--fix")
         assert done.returncode == 2 and not done.stdout, done.stdout
         assert "holds" in done.stderr and "--evict" in done.stderr and f"{12 * size:,} bytes" in done.stderr
-        assert tier.check() == {"ok": 11, "ghosts": 0, "orphans": 1, "wrong_size": 0}  # (nothing changed)
+        assert tier.check() == {"ok": 11, "ghosts": 0, "orphans": 1, "wrong_size": 0, "stale_owner_tags": 0}  # (nothing changed)
         done = redis_check("--fix", "--evict")  # (the default budget: never one to evict down to)
         assert done.returncode == 2 and "--redis-bytes" in done.stderr
-        assert tier.check() == {"ok": 11, "ghosts": 0, "orphans": 1, "wrong_size": 0}
+        assert tier.check() == {"ok": 11, "ghosts": 0, "orphans": 1, "wrong_size": 0, "stale_owner_tags": 0}
 
         done = redis_check("--redis-bytes", str(100 * size), "--fix")  # the servers' budget: adopts
         report = json.loads(done.stdout)
@@ -1899,7 +1953,7 @@ def test_redis_check_fix_refuses_to_evict_a_namespace_down_to_a_smaller_budget(r
         done = redis_check("--redis-bytes", str(4 * size), "--fix", "--evict")  # asked for: evicts, and says so
         report = json.loads(done.stdout)
         assert done.returncode == 0 and report["evicted"] == 8, done.stdout
-        assert report["after_fix"] == {"ok": 4, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert report["after_fix"] == {"ok": 4, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     finally:
         tier.close()
 
@@ -2077,7 +2131,7 @@ def test_an_orphan_a_chain_in_use_touches_is_counted_again(redis_url):
         assert tier.check()["orphans"] == 1 and tier.stats().blocks == 3
         tier.touch([k for k, _ in frames])
         stats = tier.stats()
-        assert tier.check() == {"ok": 4, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert tier.check() == {"ok": 4, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
         assert stats.blocks == 4 and stats.used_bytes == sum(f.nbytes for _, f in frames)
         tier.touch([_frame(95)[0]])  # a block stored nowhere: nothing to count
         assert tier.stats().blocks == 4
@@ -2314,7 +2368,7 @@ def test_a_script_whose_reply_is_lost_and_that_redis_py_sends_again_deletes_the_
         assert proxy.lost == 1
         stats = tier.stats()
         assert stats.evictions == 1 and stats.blocks == 3
-        assert tier.check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0}  # frame 110 went, with its entry
+        assert tier.check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}  # frame 110 went, with its entry
     finally:
         tier.close()
         proxy.close()
@@ -2518,7 +2572,7 @@ def test_a_corrupt_values_delete_spares_a_rewrite_that_landed_since_the_read(whe
         assert a.stats().corrupt == 1
         got = b.get(key)
         assert got is not None and bytes(got.host) == bytes(frame.host)
-        assert b.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert b.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     finally:
         go.set()
         a.close()
@@ -2542,10 +2596,10 @@ def test_a_puts_script_whose_reply_a_fault_kept_gets_its_victims_deleted_by_the_
             tier.put(*frames[3])
         assert proxy.lost == 1
         stats = tier.stats()  # (reaches Redis: asks for the lost reply)
-        assert tier.check() == {"ok": 2, "ghosts": 1, "orphans": 0, "wrong_size": 0}  # (the failed write's own entry: a ghost)
+        assert tier.check() == {"ok": 2, "ghosts": 1, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}  # (the failed write's own entry: a ghost)
         assert stats.evictions == 1 and stats.extra["owed_replies"] == 0
         assert tier.put(*frames[3]).error is None
-        assert tier.check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert tier.check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     finally:
         tier.close()
         proxy.close()
@@ -2671,7 +2725,7 @@ def test_a_call_from_the_process_with_the_smaller_budget_deletes_what_it_evicts(
         big.put_many(frames)
         small.touch([frames[-1][0]])  # evicts the two least recently used
         assert small.stats().evictions == 2
-        assert small.check() == {"ok": 2, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert small.check() == {"ok": 2, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
         assert big.contains_many([k for k, _ in frames]) == [False, False, True, True]
     finally:
         big.close()
@@ -3024,7 +3078,7 @@ def test_in_a_cluster_a_generation_in_the_index_not_written_by_a_tier_gets_a_new
         assert c.execute_command("EVAL", DROP_STALE_SCRIPT, 2, tier.keys_of.frame(key), gen_key, first) == 0
         got = tier.get(key)
         assert got is not None and bytes(got.host) == bytes(frame.host)
-        assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+        assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
 
 
 def test_in_a_cluster_a_victims_generation_key_of_another_type_leaves_its_frame_and_fails_nothing(cluster):
@@ -3046,7 +3100,7 @@ def test_in_a_cluster_a_victims_generation_key_of_another_type_leaves_its_frame_
         finally:
             small.close()
         assert tier.get(key) is not None and c.type(gen_key) == b"hash"
-        assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 1, "wrong_size": 0}
+        assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 1, "wrong_size": 0, "stale_owner_tags": 0}
 
 
 # -- a key of the index holding another type ---------------------------------------------

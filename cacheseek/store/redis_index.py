@@ -571,6 +571,28 @@ end
 return n
 """.replace("@FOREIGN_KEY@", FOREIGN_KEY)
 
+# The removal of owner tags (``RedisKeys.owners``) of blocks the index does not count: a
+# release before owner tags evicted with a script that knew no such hash, so each block of
+# ours it let go kept its tag for good (``RedisTier.check`` finds them). Each goes only while
+# the sizes hash still lacks its block, in the same script (both keys are the index's, in
+# one slot): a put that counted the block again since the check's scan keeps its tag.
+# KEYS[1]: the sizes hash; KEYS[2]: the owners hash; ARGV: the members.
+DROP_STALE_OWNER_TAGS_SCRIPT = """
+for i, want in ipairs({'hash', 'hash'}) do
+  local kind = redis.call('TYPE', KEYS[i])['ok']
+  if kind ~= 'none' and kind ~= want then
+    return redis.error_reply('@FOREIGN_KEY@ ' .. KEYS[i] .. ' ' .. kind .. ' ' .. want)
+  end
+end
+local n = 0
+for _, m in ipairs(ARGV) do
+  if redis.call('HEXISTS', KEYS[1], m) == 0 then
+    n = n + redis.call('HDEL', KEYS[2], m)
+  end
+end
+return n
+""".replace("@FOREIGN_KEY@", FOREIGN_KEY)
+
 # The fence in a cluster. Each block counted anew gets a generation (the index's clock at
 # that moment), and a writer stores it beside the frame (``RedisKeys.frame_gen``, in the
 # frame's slot) before the frame itself. A victim's delete carries the generation the
@@ -640,6 +662,7 @@ RELEASE_LIMIT = 1024
 # How long a script call's reply is kept for the same call sent again: redis-py sends a
 # pipeline again at once after a connection error, so a minute is far more than it needs.
 CALL_REPLY_SECONDS = 60
+STALE_TAGS_PER_CALL = 1000  # owner tags one call of DROP_STALE_OWNER_TAGS_SCRIPT removes at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -775,6 +798,16 @@ class SharedIndex:
         frames = [self.keys.frame_of_member(m) for m in members]
         return client.execute_command("EVAL", DROP_UNCOUNTED_SCRIPT, 1 + len(frames), self.keys.sizes, *frames, *members)
 
+    def drop_stale_owner_tags(self, client: Any, members: Sequence[str]) -> int:
+        """Remove the owner tags of ``members`` that the index does not count (see
+        :data:`DROP_STALE_OWNER_TAGS_SCRIPT`), in calls of ``STALE_TAGS_PER_CALL``; how many went."""
+        removed = 0
+        for start in range(0, len(members), STALE_TAGS_PER_CALL):
+            part = members[start : start + STALE_TAGS_PER_CALL]
+            removed += int(client.execute_command("EVAL", DROP_STALE_OWNER_TAGS_SCRIPT, 2, self.keys.sizes,
+                                                  self.keys.owners, *part))
+        return removed
+
     def drop_found(self, client: Any, member: str, length: int, head: bytes, *, at_least: bool = False) -> bool:
         """Delete the frame of ``member`` only if it is still the value a read found bad
         (see :data:`DROP_FOUND_SCRIPT`): ``length`` (-1: a key of another type; with
@@ -862,6 +895,6 @@ def member_texts(members: Any) -> tuple[str, ...]:
     return tuple(t for t in map(member_text, members) if t is not None)
 
 
-__all__ = ["DROP_FOUND_SCRIPT", "DROP_STALE_SCRIPT", "DROP_UNCOUNTED_SCRIPT", "FOREIGN_KEY", "GEN_FENCE_SECONDS",
+__all__ = ["DROP_FOUND_SCRIPT", "DROP_STALE_OWNER_TAGS_SCRIPT", "DROP_STALE_SCRIPT", "DROP_UNCOUNTED_SCRIPT", "FOREIGN_KEY", "GEN_FENCE_SECONDS",
            "INDEX_SCRIPT", "ForeignKey", "IndexTotals", "IndexUpdate", "LEGACY_OWNER", "PIN_LEASE_SECONDS",
            "SharedIndex", "foreign_key", "index_types", "member_text", "member_texts"]

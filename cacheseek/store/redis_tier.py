@@ -1475,10 +1475,14 @@ class RedisTier(Tier):
         ``wrong_size``: indexed and stored, but counted at another size than the stored
         value's length (a snapshot restored between a put's count and its SET, or two writers
         of frames of different sizes under one hash whose SETs landed in the other order than
-        their counts); ``ok``: the others, indexed and stored at their size.
+        their counts); ``ok``: the others, indexed and stored at their size;
+        ``stale_owner_tags``: owner tags (``RedisKeys.owners``) of blocks the index does not
+        count, left by a release before owner tags, whose evictions left them (Redis memory
+        outside the budget, growing with every such eviction of a tagged block).
         ``fix`` forgets the ghosts, adopts the orphans and counts the wrong sizes at the stored
-        frames' (both read from their headers). An unpinned ghost used within
-        ``ghost_grace_seconds`` is left, as a read leaves it: it may be a put in flight
+        frames' (both read from their headers), and removes the stale owner tags (each only if
+        its block is still uncounted: a put since the scan keeps its tag). An unpinned ghost
+        used within ``ghost_grace_seconds`` is left, as a read leaves it: it may be a put in flight
         (counted, its SET not landed yet), and forgotten, that put would delete the frame it
         then wrote. So is an unpinned wrong size (a put in flight counts its own size before
         its SET replaces the value), and one a put has counted again since the scan. Scans
@@ -1493,6 +1497,10 @@ class RedisTier(Tier):
             self.repair_evictions = 0
 
         def scan(c: Any) -> tuple[set[str], set[str], set[str]]:
+            # Tags first: a block counted after this (its tag with it) is not taken for a stale
+            # tag, and one let go in between is (its tag went with its count: removing it does nothing).
+            tagged.update(t for m, _ in c.hscan_iter(self.keys_of.owners, count=1000)
+                          if (t := member_text(m)) is not None)
             pinned = set(member_texts(c.smembers(self.keys_of.pinned)))
             entries = c.hgetall(self.keys_of.sizes)
             indexed = set(member_texts(entries))
@@ -1517,13 +1525,15 @@ class RedisTier(Tier):
 
         sizes: dict[str, int] = {}
         seen: dict[str, bytes] = {}  # each entry of the sizes hash as read
+        tagged: set[str] = set()
         lengths: dict[str, Any] = {}
         indexed, stored, pinned = self._run(scan)
         ghosts, orphans = sorted(indexed - stored), sorted(stored - indexed)
         wrong = sorted(m for m in indexed & stored
                        if m in sizes and type(n := lengths[m]) is int and n not in (0, sizes[m]))
+        stale_tags = sorted(tagged - indexed)
         report = {"ok": len(indexed & stored) - len(wrong), "ghosts": len(ghosts), "orphans": len(orphans),
-                  "wrong_size": len(wrong)}
+                  "wrong_size": len(wrong), "stale_owner_tags": len(stale_tags)}
         if fix and (ghosts or orphans or wrong):
             adopt = []
             for m in orphans:
@@ -1569,6 +1579,8 @@ class RedisTier(Tier):
                         self._settle(c, again)
 
             self._run(repair)
+        if fix and stale_tags:
+            self._run(lambda c: self._index.drop_stale_owner_tags(c, stale_tags))
         return report
 
     def close(self) -> None:
