@@ -704,11 +704,25 @@ class _TopParser(argparse.ArgumentParser):
         super().error(message)
 
 
-def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    from cacheseek import __version__
+class _VersionAction(argparse.Action):
+    """``--version``: the version and the build's commit, read only when asked for."""
 
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show the version and the commit of the build, and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from cacheseek import __version__
+        from cacheseek.build import describe
+
+        print(f"cacheseek {describe(__version__)}")
+        parser.exit()
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = _TopParser(prog="cacheseek", description="CacheSeek: a tiered KV-cache store.")
-    parser.add_argument("--version", action="version", version=f"cacheseek {__version__}")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,top,admin,plan,redis-check,demo}")
     for name in _SERVER_COMMANDS:
         _lazy_server_parser(sub, name, wanted=bool(argv) and argv[0] == name)

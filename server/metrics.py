@@ -42,6 +42,7 @@ from prometheus_client.registry import Collector
 from starlette.types import Receive, Scope, Send
 
 from cacheseek import __version__
+from cacheseek.build import commit
 from cacheseek.log_throttle import LogThrottle
 
 from .auth import header_value
@@ -392,6 +393,7 @@ class Metrics:
         out["uptime_seconds"] = time.time() - self.started_at
         out["started_at"] = self.started_at
         out["version"] = __version__
+        out["commit"] = commit()
         out["metrics_detail"] = self.detail
         out["traffic"] = {**asdict(total), **hit_rates(total),
                           "by_owner": [{"namespace": k[0], "model": k[1], **asdict(t), **hit_rates(t)}
@@ -506,8 +508,9 @@ class _Collector(Collector):
     def collect(self) -> Iterator[Any]:
         m = self.metrics
         figures = m.figures()
-        info = GaugeMetricFamily("cacheseek_build_info", "Version of the running server", labels=["version"])
-        info.add_metric([__version__], 1.0)
+        info = GaugeMetricFamily("cacheseek_build_info", "Version of the running server, and the commit it was "
+                                 "built from (\"unknown\" outside a git checkout)", labels=["version", "commit"])
+        info.add_metric([__version__, commit()], 1.0)
         yield info
         yield GaugeMetricFamily("cacheseek_start_time_seconds", "When the server started (Unix time)", value=m.started_at)
         yield from self._requests(m)

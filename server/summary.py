@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from cacheseek import __version__
+from cacheseek.build import describe
 
 from .config import ServerSettings
 
@@ -42,7 +43,7 @@ def _value(name: str, value: Any) -> str:
 
 def settings_lines(settings: ServerSettings) -> list[str]:
     """Every setting, one a line, with its unit; secrets say only whether they are set."""
-    out = [f"cacheseek serve {__version__}: settings"]
+    out = [f"cacheseek serve {describe(__version__)}: settings"]
     width = max(len(n) for n in ServerSettings.model_fields)
     described = settings.describe()
     for name in ServerSettings.model_fields:

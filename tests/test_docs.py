@@ -321,8 +321,8 @@ def test_every_command_shown_parses(monkeypatch):
                 rest = m.group(2).split("#")[0].strip()
                 if m.group(1).startswith("cacheseek") and (number not in fenced or not re.match(r"\s*(\w+=\S+\s+)*cacheseek ", line)):
                     continue  # prose names cacheseek's commands without their required arguments; blocks show runs
-                if re.match(r"[^\s]*:(\s|$)", rest):
-                    continue  # a line of its output ("cacheseek serve: store open in ...")
+                if re.match(r"[^\s]*( \(commit \w+\))?:(\s|$)", rest):
+                    continue  # a line of its output ("cacheseek serve: store open in ...", "... 0.1.0 (commit c): settings")
                 # placeholders ($R/..., [--paged], FILE, N, HASH, ...) are not runnable as written
                 if re.search(r"[$\[\]<>]|\.\.\.|\b(FILE|N|HASH|NS|M)\b", rest):
                     continue

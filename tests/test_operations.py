@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -1661,3 +1663,55 @@ def test_a_block_the_disk_does_not_admit_is_counted_once(tmp_path):
     assert tiers["cpu"]["evictions"] >= 20 and tiers["disk"]["blocks"] == 0
     # Each block once, as it left the CPU tier (those it still holds may yet be admitted).
     assert refused == tiers["cpu"]["evictions"] == 32 - tiers["cpu"]["blocks"], (refused, tiers["cpu"])
+
+
+def test_a_build_says_its_commit_beside_its_version_everywhere_it_says_its_version(srv):
+    """Every build said version 0.1.0 (``--version``, ``/v1/stats``, ``cacheseek_build_info``,
+    the start-up summary), so the processes of a rolling upgrade could not be told apart. Each
+    now says the commit of the checkout it runs from (this one's HEAD, from its ``.git``)."""
+    from cacheseek import __version__
+
+    root = Path(__file__).resolve().parent.parent
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]{12}", head)
+    done = subprocess.run([*cacheseek_command(), "--version"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == f"cacheseek {__version__} (commit {head})", done
+    assert f"cacheseek serve {__version__} (commit {head}): settings" in srv.output()
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        stats = c.get("/v1/stats", headers=writer()).json()
+        assert (stats["version"], stats["commit"]) == (__version__, head)
+        assert value(samples(c), "cacheseek_build_info", version=__version__, commit=head) == 1.0
+
+
+def test_a_build_from_no_git_checkout_says_unknown_and_refs_are_read_as_git_keeps_them(tmp_path):
+    """The commit is read from the checkout's files (no git process): a branch's loose ref, a
+    packed one, a detached HEAD, a worktree's ``.git`` file (its refs in the main repository);
+    a tree without ``.git`` (a wheel, the container image) says "unknown"."""
+    from cacheseek import build
+
+    one, two, three = "1" * 40, "2" * 40, "3" * 40
+    main = tmp_path / "main"
+    (main / ".git" / "refs" / "heads").mkdir(parents=True)
+    (main / ".git" / "HEAD").write_text("ref: refs/heads/work\n")
+    (main / ".git" / "refs" / "heads" / "work").write_text(one + "\n")
+    assert build._commit_of(main) == one
+    (main / ".git" / "refs" / "heads" / "work").unlink()
+    (main / ".git" / "packed-refs").write_text(f"# pack-refs with: peeled\n{two} refs/heads/work\n")
+    assert build._commit_of(main) == two
+    (main / ".git" / "HEAD").write_text(three + "\n")
+    assert build._commit_of(main) == three
+    tree = tmp_path / "tree"  # a worktree of ``main`` on branch ``work``
+    (main / ".git" / "worktrees" / "tree").mkdir(parents=True)
+    (main / ".git" / "worktrees" / "tree" / "HEAD").write_text("ref: refs/heads/work\n")
+    (main / ".git" / "worktrees" / "tree" / "commondir").write_text("../..\n")
+    tree.mkdir()
+    (tree / ".git").write_text(f"gitdir: {main / '.git' / 'worktrees' / 'tree'}\n")
+    assert build._commit_of(tree) == two
+    assert build._commit_of(tmp_path / "nowhere") is None
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); from cacheseek import build, __version__; "
+              "print(build.describe(__version__))")
+    copy = tmp_path / "copy"  # the package alone, as an image holds it
+    shutil.copytree(Path(build.__file__).parent, copy / "cacheseek", ignore=shutil.ignore_patterns("__pycache__", "server"))
+    done = subprocess.run([sys.executable, "-c", script, str(copy)], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().endswith("(commit unknown)"), done.stderr
