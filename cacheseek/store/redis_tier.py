@@ -9,8 +9,9 @@ Storage (key names in ``redis_keys``):
 
 Round trips: a lookup of a whole chain is one pipelined ``EXISTS`` (grouped per master by
 redis-py in a cluster), and so is a lookup of many (``TieredStore.locate_many``); a batch
-put is three (STRLEN + index script; the SETs and the victims' DELs; a check that the index
-still counts what was written); a touch is one (index script, plus ``PEXPIRE`` and a look
+put is three (STRLEN and each value's first bytes + index script; the SETs and the victims'
+DELs; a check that the index still counts what was written); a save's question of which
+blocks are stored (``present_many``) is one pipelined ``GETRANGE`` of each value's first bytes; a touch is one (index script, plus ``PEXPIRE`` and a look
 at the pinned set when a TTL is set: a pin another process made meanwhile must not be left
 to expire), two with a TTL in a cluster (the look waits for the expiries there); a read is
 one pipelined ``GET`` (``GETRANGE`` under ``max_frame_bytes``), plus an index call when a
@@ -23,8 +24,8 @@ timeouts and lets a probe through after a backoff, so a Redis that is down costs
 request nothing, and service resumes on its own once a probe succeeds. A frame that
 fails its checksum (or names another block, or is larger than ``max_frame_bytes``: a read
 takes no more than one byte past it) is a miss, and it is deleted and counted. One of
-another format version is a counted miss that stays (another release sharing this Redis
-reads it).
+another format version is a counted miss that is not deleted (another release sharing this
+Redis reads it), and not stored for this release: its next save of the block writes over it.
 
 TTL: a block expires ``ttl_seconds`` after its last use (write or hit), not after its
 write: a touch refreshes it, so a chain in use keeps its head.
