@@ -13,8 +13,11 @@ from cacheseek.store.frame import (
     MAGIC,
     MAX_HEADER_NESTING,
     PREAMBLE,
+    FORMAT_VERSION,
+    VERSION_PROBE_NBYTES,
     build_frame,
     check_codec_layout,
+    head_version,
     parse_frame,
     parse_header,
     plan_frame,
@@ -285,3 +288,21 @@ def test_a_codec_spec_in_an_error_is_cut_short():
     with pytest.raises(FrameError, match="codec") as got:
         check_codec_layout(parse_frame(_forge(header, payload), verify=False))
     assert len(str(got.value)) < 300
+
+
+def test_head_version_reads_the_version_from_a_values_first_bytes_alone():
+    """What the Redis tier reads to tell another release's frame from its own without its
+    header (``GETRANGE`` of the first bytes): the version where the header's map opens with
+    ``v`` and a small int (fixmap, map16 or map32), None for anything else."""
+    from store_helpers import as_other_version
+
+    _, _, data = _frame()
+    assert head_version(bytes(data[:VERSION_PROBE_NBYTES])) == FORMAT_VERSION
+    assert head_version(as_other_version(bytes(data))[:VERSION_PROBE_NBYTES]) == 2
+    head = bytes(data[: PREAMBLE.size])
+    for map_head in (b"\x81", b"\xde\x00\x01", b"\xdf\x00\x00\x00\x01"):
+        assert head_version(head + map_head + b"\xa1v\x07" + bytes(8)) == 7
+    assert head_version(head + b"\x81\xa4hash") is None  # (another field first: only a parse tells)
+    assert head_version(head + b"\x81\xa1v\xcd\x01\x00") is None  # (a version past a fixint)
+    assert head_version(b"XXXX" + bytes(20)) is None and head_version(b"") is None
+    assert head_version(bytes(data[: PREAMBLE.size + 2])) is None  # (cut short)
