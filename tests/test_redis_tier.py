@@ -1102,7 +1102,7 @@ def test_writers_of_frames_of_different_sizes_whose_sets_cross_are_counted_as_st
         b.close()
 
 
-def test_check_counts_a_pinned_wrong_size_at_once_and_leaves_one_a_put_counted_again(redis_url):
+def test_check_leaves_a_pinned_wrong_size_until_unpinned_and_one_a_put_counted_again(redis_url):
     tier, other = RedisTier(redis_url, 64 << 20), RedisTier(redis_url, 64 << 20)
     c = tier._connection()
     (held, held_wide), (_, held_small) = _sized(62, 1), _sized(62, 0)
@@ -1126,14 +1126,18 @@ def test_check_counts_a_pinned_wrong_size_at_once_and_leaves_one_a_put_counted_a
         assert tier.check(fix=True, ghost_grace_seconds=0) == {"ok": 0, "ghosts": 0, "orphans": 0, "wrong_size": 2, "stale_owner_tags": 0}
         del tier.info
         st = tier.stats()
-        # ``key`` is left as that put counted it, not counted at the size the scan read.
-        assert st.used_bytes == held_small.nbytes + widest.nbytes == _stored_bytes(tier)
-        assert tier.check() == {"ok": 2, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
-        # A pinned block has no LRU entry to age: counted at its value's size at once.
-        c.set(tier.keys_of.frame(held), held_wide.to_bytes())
+        # ``key`` is left as that put counted it, not counted at the size the scan read; the
+        # pinned ``held`` as it was: with no LRU entry to age, a put of it in flight (counted,
+        # its SET not landed) looks the same, and counted at once, the fix would make the
+        # wrong size it meant to mend.
+        assert st.used_bytes == held_wide.nbytes + widest.nbytes and st.pinned_bytes == held_wide.nbytes
+        assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 1, "stale_owner_tags": 0}
+        # Unpinned, and idle past the grace: counted at its value's size.
+        tier.unpin([held])
+        c.zadd(tier.keys_of.lru, {RedisKeys.member(held): 1}, xx=True)
         assert tier.check(fix=True) == {"ok": 1, "ghosts": 0, "orphans": 0, "wrong_size": 1, "stale_owner_tags": 0}
         st = tier.stats()
-        assert st.pinned_bytes == held_wide.nbytes and st.used_bytes == _stored_bytes(tier)
+        assert st.pinned_bytes == 0 and st.used_bytes == held_small.nbytes + widest.nbytes == _stored_bytes(tier)
         assert tier.check() == {"ok": 2, "ghosts": 0, "orphans": 0, "wrong_size": 0, "stale_owner_tags": 0}
     finally:
         tier.close()

@@ -374,7 +374,8 @@ end
 -- stored value's size, read from its header. Only an entry still as the check read it (no
 -- put has counted the block again since) and, unpinned, idle at least the grace: a put counts
 -- its block at its own size a round trip before its SET lands. A pinned one has no LRU entry
--- to age: at once, as a pinned ghost is forgotten. Not touched: a check changes no recency.
+-- to age, so no way to tell a put in flight: left until it is unpinned (counted at once, a
+-- put in flight made the wrong size it meant to mend). Not touched: a check changes no recency.
 for _ = 1, n_resize do
   local m, seen, n, r = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
   i = i + 4
@@ -382,7 +383,7 @@ for _ = 1, n_resize do
     local old_n, old_r = size_of(m)
     local is_pinned = redis.call('SISMEMBER', pinned, m) == 1
     local score = redis.call('ZSCORE', lru, m)
-    local idle = (score and tonumber(score) <= now - repair_idle_us) or (is_pinned and not score)
+    local idle = score and tonumber(score) <= now - repair_idle_us
     if old_n and idle and (old_n ~= n or old_r ~= r) then
       changed = true
       redis.call('HSET', sizes, m, n .. ' ' .. r)

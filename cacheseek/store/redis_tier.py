@@ -1485,8 +1485,9 @@ class RedisTier(Tier):
         its block is still uncounted: a put since the scan keeps its tag). An unpinned ghost
         used within ``ghost_grace_seconds`` is left, as a read leaves it: it may be a put in flight
         (counted, its SET not landed yet), and forgotten, that put would delete the frame it
-        then wrote. So is an unpinned wrong size (a put in flight counts its own size before
-        its SET replaces the value), and one a put has counted again since the scan. Scans
+        then wrote. So is a wrong size used within it (a put in flight counts its own size
+        before its SET replaces the value), one a put has counted again since the scan, and
+        a pinned one (no LRU entry to age: mended once unpinned and idle). Scans
         every master: for maintenance, not for a request path.
 
         The repair evicts down to this tier's budget what the namespace holds beyond it (the
