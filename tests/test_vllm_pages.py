@@ -59,13 +59,15 @@ def test_saves_are_whole_steps_by_default_and_layerwise_on_request():
 
 
 def test_a_remote_calls_whole_exchange_and_a_lookups_deadline_default_from_the_other_keys():
-    """exchange_timeout_seconds bounds one whole HTTP exchange (3 x timeout_seconds unless
-    given); lookup_deadline_seconds a request's wait for its lookup (0.5 s, or
+    """exchange_timeout_seconds bounds one whole HTTP exchange (3 x timeout_seconds, 30 s at
+    least, unless given); lookup_deadline_seconds a request's wait for its lookup (0.5 s, or
     lookup_wait_seconds where that is longer, unless given)."""
     default = ConnectorConfig.from_extra({"url": "http://h:1"})
     assert (default.exchange_timeout, default.lookup_deadline) == (30.0, 0.5)
     derived = ConnectorConfig.from_extra({"url": "http://h:1", "timeout_seconds": 2, "lookup_wait_seconds": 5})
-    assert (derived.exchange_timeout, derived.lookup_deadline) == (6.0, 5.0)
+    assert (derived.exchange_timeout, derived.lookup_deadline) == (30.0, 5.0)  # (30 s at least)
+    slow = ConnectorConfig.from_extra({"url": "http://h:1", "timeout_seconds": 20})
+    assert slow.exchange_timeout == 60.0
     given = ConnectorConfig.from_extra({"url": "http://h:1", "timeout_seconds": 2, "exchange_timeout_seconds": 1,
                                         "lookup_deadline_seconds": 0.2})
     assert (given.exchange_timeout, given.lookup_deadline) == (1.0, 0.2)

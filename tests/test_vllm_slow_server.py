@@ -192,14 +192,14 @@ def test_a_burst_behind_a_slow_but_healthy_server_does_not_rest_it(tmp_path):
 def test_an_in_step_load_from_a_trickling_server_ends_within_its_exchange_timeout(tmp_path):
     """A worker's load inside the step (background_loads off, the default) from a server
     whose answer trickles, a byte every 50 ms, each read within timeout_seconds (1 s): the
-    load gives up after exchange_timeout_seconds (by default 3 x timeout_seconds: 3 s), its
+    load gives up after exchange_timeout_seconds (3 s here; by default 30 s at least), its
     blocks reported for vLLM to recompute. Before, the connector left RemoteCache's default
     bound of 600 s: every running request stalled behind the step for up to 10 minutes."""
     tokens = list(range(4000, 4096))
     with Server(tmp_path) as srv, FaultProxy(srv.port) as proxy:
         store(srv, tokens)
         config = ConnectorConfig.from_extra({"codec": "raw", "url": proxy.url, "block_tokens": 32,
-                                             "timeout_seconds": 1})
+                                             "timeout_seconds": 1, "exchange_timeout_seconds": 3})
         assert config.exchange_timeout == 3.0
         cache = open_cache(config, LAYOUT, "m", cs.Shard())
         side = WorkerSide(cache, guard=StoreGuard(config, "worker"))

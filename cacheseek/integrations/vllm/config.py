@@ -56,6 +56,9 @@ DEFAULT_MAX_PENDING_BYTES = 2 << 30
 # (32K tokens of an 8B model, raw bf16: 4 GiB, ~3.5 s at 10 Gbit/s), while a trickling server
 # holds an in-step load, and every running request with it, 30 s at most rather than 600.
 EXCHANGE_TIMEOUTS = 3
+# ... and 30 s at least: a timeout_seconds lowered to fail fast on a dead server must not cap
+# a healthy server's long answer (4 GiB at 2 Gbit/s: ~17 s) at 3 s.
+MIN_EXCHANGE_SECONDS = 30.0
 # lookup_deadline_seconds' default: a lookup is one small POST per rank, milliseconds from a
 # healthy server even under load; waiting longer than this for one costs a new request more
 # than the prefill of the prefix it might save on a GPU host would.
@@ -88,7 +91,7 @@ class ConnectorConfig:
     # One whole HTTP exchange (a request and its whole answer; RemoteCache's exchange_timeout).
     # timeout_seconds alone let a server or proxy that sends a byte now and then hold an
     # in-step load, and every running request with it, for RemoteCache's default 600 s.
-    # None: EXCHANGE_TIMEOUTS x timeout_seconds (``exchange_timeout``).
+    # None: EXCHANGE_TIMEOUTS x timeout_seconds, MIN_EXCHANGE_SECONDS at least (``exchange_timeout``).
     exchange_timeout_seconds: float | None = None
     tiers: TierConfig = field(default_factory=lambda: TierConfig(**DEFAULT_TIERS))
     retry_after_seconds: float = 1.0  # a server that failed is not asked again this long (doubling)
@@ -158,7 +161,7 @@ class ConnectorConfig:
         """Seconds one HTTP exchange with the server may take in all."""
         if self.exchange_timeout_seconds is not None:
             return self.exchange_timeout_seconds
-        return EXCHANGE_TIMEOUTS * self.timeout_seconds
+        return max(EXCHANGE_TIMEOUTS * self.timeout_seconds, MIN_EXCHANGE_SECONDS)
 
     @property
     def lookup_deadline(self) -> float:
