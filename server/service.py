@@ -30,7 +30,7 @@ from cacheseek.store.cpu import CpuTier
 from cacheseek.store.eviction import SoftSpare
 from cacheseek.store.lease import Lease
 from cacheseek.store.prefetch import Prefetch
-from cacheseek.store.frame import FrameMeta, check_codec_layout, header_prefix, parse_frame
+from cacheseek.store.frame import FrameMeta, check_codec_layout, check_stat_values, header_prefix, parse_frame
 from cacheseek.store.tier import BlockFrame, BlockInfo, Reservation
 from cacheseek.store.tiered import DURABLE, DrainReport, StorePutResult, TieredStore
 from cacheseek.units import format_size
@@ -140,6 +140,7 @@ class BlockService:
         try:
             meta = parse_frame(buf, verify=True, payload_digest=payload_digest)
             check_codec_layout(meta)
+            check_stat_values(meta, buf)
         except ChecksumError as exc:
             self.metrics.rejected("checksum")
             raise BadFrame(f"{where}: {exc}") from None

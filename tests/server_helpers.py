@@ -19,6 +19,7 @@ import httpx
 
 from cacheseek.layout import KVLayout
 from cacheseek.quant import Raw
+from cacheseek.quant.payload import BUFFER_DTYPES
 from cacheseek.store.frame import build_frame, plan_frame
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16")
@@ -148,7 +149,18 @@ def raw_frame(seed: int, *, position: int = 0, parent: bytes | None = None, bloc
     meta = plan_frame(block_hash=block_hash, parent_hash=parent, position=position, layout=layout,
                       block_tokens=block, codec=codec.spec(), buffers=buffers)
     rng = random.Random(seed)
-    return block_hash, bytes(build_frame(meta, [rng.randbytes(e.nbytes) for e in meta.tensors]))
+    return block_hash, bytes(build_frame(meta, [_random_buffer(rng, e) for e in meta.tensors]))
+
+
+def _random_buffer(rng: random.Random, entry) -> bytes:
+    """Random bytes; a quantizer's stats (a KIVI scale or min) finite and not negative, as
+    the server requires: each element's top byte (little-endian: its last) keeps neither the
+    sign nor the top exponent bit."""
+    data = bytearray(rng.randbytes(entry.nbytes))
+    if entry.name.endswith((".scale", ".min")):
+        size = BUFFER_DTYPES[entry.dtype]
+        data[size - 1 :: size] = bytes(b & 0x3F for b in data[size - 1 :: size])
+    return bytes(data)
 
 
 def raw_chain(seed: int, blocks: int, **kw) -> list[tuple[bytes, bytes]]:

@@ -222,6 +222,57 @@ def test_sha256_hashes_and_kivi_frames_are_accepted(client):
     assert client.get(f"/v1/blocks/{h.hex()}").content == frame
 
 
+def _with_stat(frame: bytes, name: str, index: int, value: float) -> bytes:
+    """``frame`` with element ``index`` of stat buffer ``name`` set to ``value``, sealed again
+    (a writer that skipped the encoder's check: the checksum holds)."""
+    import struct
+
+    from cacheseek.store.frame import seal_frame
+
+    meta = parse_frame(frame)
+    entry = meta.entry(name)
+    fmt, size = {"float16": ("<e", 2), "float32": ("<f", 4)}[entry.dtype]
+    out = bytearray(frame)
+    struct.pack_into(fmt, out, meta.payload_offset + entry.offset + index * size, value)
+    seal_frame(meta, out)
+    return bytes(out)
+
+
+@pytest.mark.parametrize("stats", ["float16", "float32"])
+def test_a_kivi_frame_whose_stats_are_not_finite_or_whose_scale_is_negative_is_refused(client, stats):
+    """A client that bypasses the encoder's NaN check could store stats every reader decodes
+    into NaN KV; the server refuses them (400, counted as malformed), and a batch holding one
+    stores nothing."""
+    codec = cs.KIVI(bits=4, group_size=32, stats_dtype=stats)
+    nan, inf = float("nan"), float("inf")
+    for name, index, value, said in (("k.scale", 0, nan, "k.scale: holds NaN or Inf"),
+                                     ("v.min", 7, -inf, "v.min: holds NaN or Inf"),
+                                     ("k.min", 3, inf, "k.min: holds NaN or Inf"),
+                                     ("v.scale", 5, -0.5, "v.scale: 1 negative scale")):
+        h, good = raw_frame(60, codec=codec)
+        bad = _with_stat(good, name, index, value)
+        before = stored_figures(client)
+        rejected = client.get("/v1/stats").json().get("frames_rejected", {})
+        r = put(client, h, bad)
+        assert r.status_code == 400 and r.json()["error"].startswith(f"frame: {said}"), r.text
+        chain = raw_chain(61, 3, codec=codec)
+        frames = [f for _, f in chain]
+        frames[1] = _with_stat(frames[1], name, index, value)
+        r = client.post("/v1/blocks", content=batch_body(frames))
+        assert r.status_code == 400 and r.json()["error"].startswith(f"frame 1: {said}"), r.text
+        assert r.json()["frame"] == 1
+        assert stored_figures(client) == before
+        assert client.post("/v1/lookup", json={"hashes": [x.hex() for x, _ in chain]}).json()["matched"] == 0
+        assert client.get(f"/v1/blocks/{h.hex()}").status_code == 404
+        assert client.get("/v1/stats").json()["frames_rejected"]["malformed"] == rejected.get("malformed", 0) + 2
+    # A -0.0 scale (a group of zeros) and the valid frame itself are stored.
+    h, good = raw_frame(62, codec=codec)
+    assert put(client, h, _with_stat(good, "k.scale", 0, -0.0)).status_code == 201
+    h, good = raw_frame(63, codec=codec)
+    assert put(client, h, good).status_code == 201
+    assert client.get(f"/v1/blocks/{h.hex()}").content == good
+
+
 # -- bad input: the answer, and nothing stored changes ----------------------------------------
 
 
