@@ -58,7 +58,12 @@ class KIVI:
     group. The rotated rows are computed in fp32 and rounded to V's dtype before the
     quantizer (with its range search, if any) sees them; decoding dequantizes to fp32,
     rotates back and rounds once. Same bytes per block; the spec, so the keys, differ.
-    Needs a head_dim that is a power of two."""
+    Needs a head_dim that is a power of two.
+
+    ``stats_dtype`` (default ``"float16"``): each group's min and scale. ``"float32"`` for
+    fp32 KV at a large offset with a small range, for int8 groups of ranges under ~1e-3
+    (fp16 stores such a scale as a subnormal), and for bf16/fp32 values beyond 65504
+    (docs/precision.md, "The stats dtype")."""
 
     k_bits: int
     v_bits: int
