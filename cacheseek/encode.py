@@ -70,7 +70,7 @@ def encode_blocks(
                                        parents[a - first_block : b - first_block], staging)
         if device.type == "cuda" and finite.device.type == "cpu":
             current_stream(device).synchronize()  # the kernels write the flags in host memory
-        single_codec(part.codec).check_finite(finite)
+        _check_flags(fmt, single_codec(part.codec), finite, layers, a, b)
         frames += got
     return frames
 
@@ -208,6 +208,17 @@ def check_tokens(codec: KVLayerCodec, layers: list[tuple[torch.Tensor, torch.Ten
             codec.encode(sides[i], sides[i + 1])  # the codec's InputError, if it refuses them
 
 
+def _check_flags(fmt: BlockFormat, codec: KVLayerCodec, finite: Any,
+                 layers: list[tuple[torch.Tensor, torch.Tensor]], first: int, stop: int) -> None:
+    """``codec.check_finite`` of blocks ``[first, stop)``; on a refusal, the refusal their
+    values name (a NaN told from a range the stats cannot hold), as the codec's encode does."""
+    try:
+        codec.check_finite(finite, fmt.layout.dtype)
+    except InputError:
+        check_tokens(codec, layers, fmt.layout, first * fmt.block_tokens, stop * fmt.block_tokens)
+        raise
+
+
 def check_encodable(fmt: BlockFormat, layers: list[tuple[torch.Tensor, torch.Tensor]], todo: Sequence[bool]) -> None:
     """``check_tokens`` for the blocks flagged in ``todo``, each with its position's codec."""
     for a, b in batching.runs(todo, len(todo)):
@@ -263,7 +274,7 @@ def iter_encoded(
     held: list[StagingLease] = []  # the staging of the batch yielded last (and of one launched ahead)
 
     def launch(pieces: list[tuple[int, int]]):
-        frames, checks = [], []  # checks: (codec, its validity flags) per piece
+        frames, checks = [], []  # checks: (codec, its validity flags, its blocks) per piece
         shares = None
         if pooled and side is not None and len(pieces) > 1:
             with on_stream(side):
@@ -281,7 +292,7 @@ def iter_encoded(
                 if side is not None:
                     finite = flags_to_host(finite)
             frames += got
-            checks.append((codec, finite))
+            checks.append((codec, finite, start, stop))
         done = None
         if side is not None:
             done = torch.cuda.Event()
@@ -296,8 +307,8 @@ def iter_encoded(
             if done is not None:
                 done.synchronize()
                 current_stream(device).wait_event(done)
-            for codec, finite in checks:
-                codec.check_finite(finite)
+            for codec, finite, start, stop in checks:
+                _check_flags(fmt, codec, finite, layers, start, stop)
             yield frames
             give_back(held, device)  # before the next launch, which may take the same buffer
             if i + 1 < len(batches):

@@ -342,7 +342,15 @@ class InPlaceIngest:
                 continue
             if run.encoded is not None:
                 run.encoded.synchronize()
-            run.codec.check_finite(run.flags)
+            try:
+                run.codec.check_finite(run.flags, self.layout.dtype)
+            except InputError:
+                if self.source is None:
+                    # The flags cannot tell a NaN from a range the stats cannot hold; the
+                    # run's values can, as the codec's own encode names them.
+                    end = run.first + len(run.metas)
+                    check_encodable(self.format, self.layers, [i >= run.first for i in range(end)])
+                raise
             run.checked = True
             if run.encoded is not None:  # pinned flags, written by kernels that have run: reusable
                 give_back_flags(run.flags)

@@ -284,7 +284,7 @@ class _SlotWriter(LayerWriter):
         try:
             self._wait()
             for codec, flags in self._flags:
-                codec.check_finite(flags)
+                codec.check_finite(flags, self.layout.dtype)
         except BaseException:
             self.abort()
             raise

@@ -415,7 +415,7 @@ def encoded_batches(fmt: BlockFormat, call: PagedCall, hashes: Sequence[bytes], 
             if device.type == "cuda":
                 current_stream(device).synchronize()  # flags are written in host memory
             try:
-                codec.check_finite(flags)
+                codec.check_finite(flags, fmt.layout.dtype)
             except InputError as exc:
                 raise_bad_input(call, exc)
             yield start, frames

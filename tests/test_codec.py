@@ -535,3 +535,88 @@ def test_an_encoded_layer_of_no_elements_and_huge_dimensions_is_a_frame_error(co
                for side, t in (("k", template.k), ("v", template.v))}}
     with pytest.raises(FrameError, match="shape"):
         codec.decode(EncodedLayer.unpackb(msgpack.packb(wire, use_bin_type=True)))
+
+
+def _refusal(codec, layout, k, v) -> list[str]:
+    """The InputError of each path that can refuse ``k, v`` (one layer): the codec's encode,
+    a PrefixCache's ingest (the flags only: ``check_finite`` with the layout's dtype), and
+    the check before a multi-part ingest (``encode.check_tokens``)."""
+    from cacheseek.encode import check_tokens
+
+    said = []
+    with pytest.raises(InputError) as e:
+        codec.encode(k, v)
+    said.append(str(e.value))
+    cache = cs.PrefixCache(model_id="m", layout=layout, codec=codec, block_tokens=32)
+    with pytest.raises(InputError) as e:
+        cache.ingest(list(range(k.shape[-2])), [(k, v)])
+    said.append(str(e.value))
+    assert cache.lookup(list(range(k.shape[-2]))) == 0
+    with pytest.raises(InputError) as e:
+        check_tokens(codec, [(k, v)], layout, 0, k.shape[-2])
+    said.append(str(e.value))
+    return said
+
+
+@pytest.mark.parametrize("stats", ["float16", "float32"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_or_inf_in_fp16_kv_is_named_as_such_on_every_path_never_sent_to_fp32_stats(stats, bad):
+    """fp16 KV cannot pass fp16 stats' range: its only cause of refusal is NaN or Inf, and
+    fp32 stats (another key, twice the stats' bytes) would fail again. Every path says so,
+    in the same words."""
+    layout = cs.KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, dtype="float16")
+    codec = cs.KIVI(bits=4, stats_dtype=stats)
+    k, v = torch.randn(2, 64, 64, dtype=torch.float16), torch.randn(2, 64, 64, dtype=torch.float16)
+    k[1, 40, 3] = bad
+    for said in _refusal(codec, layout, k, v):
+        assert said.startswith("k: holds NaN or Inf; input rejected"), said
+    k[1, 40, 3], v[0, 3, 5] = 0.0, bad
+    for said in _refusal(codec, layout, k, v):
+        assert said.startswith("v: holds NaN or Inf; input rejected"), said
+
+
+@pytest.mark.parametrize("stats", ["float16", "float32"])
+def test_fp16_v_that_overflows_once_rotated_is_named_as_such_whatever_the_stats(stats):
+    """A finite fp16 V row aligned with v_rotate's signs grows by sqrt(head_dim) past 65504:
+    the rotation is the cause, which fp32 stats cannot help."""
+    from cacheseek.quant.rotation import signs
+
+    layout = cs.KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16")
+    codec = cs.KIVI(bits=4, stats_dtype=stats, v_rotate=True)
+    k, v = torch.randn(1, 32, 64, dtype=torch.float16), torch.randn(1, 32, 64, dtype=torch.float16)
+    v[0, 3] = 20000.0 * signs(64, "cpu").sign().to(torch.float16)
+    for said in _refusal(codec, layout, k, v):
+        assert said.startswith("v: rows that overflow float16 once rotated (v_rotate grows a row by up to "
+                               "sqrt(head_dim)); input rejected"), said
+
+
+def test_finite_kv_beyond_fp16_stats_is_sent_to_fp32_stats_and_nan_in_it_is_not():
+    layout = cs.KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="bfloat16")
+    k, v = torch.randn(1, 32, 64, dtype=torch.bfloat16), torch.randn(1, 32, 64, dtype=torch.bfloat16)
+    k[0, 5, 7] = -1e6  # a K group's min, beyond fp16
+    said = _refusal(cs.KIVI(bits=4), layout, k, v)
+    want = ("k: a group whose min or range/levels is beyond float16 stats (finite values past 65504: use "
+            "stats_dtype='float32'); input rejected")
+    assert all(said.startswith(want) for said in said), said
+    cs.KIVI(bits=4, stats_dtype="float32").encode(k, v)  # which fp32 stats do hold
+    k[0, 5, 7] = float("nan")
+    for said in _refusal(cs.KIVI(bits=4), layout, k, v):
+        assert said.startswith("k: holds NaN or Inf; input rejected"), said
+
+
+@pytest.mark.parametrize("codec, dtype, said", [
+    (cs.KIVI(bits=4), "float16", "v: holds NaN or Inf; input rejected"),
+    (cs.KIVI(bits=4, stats_dtype="float32"), "float16", "v: holds NaN or Inf; input rejected"),
+    (cs.KIVI(bits=4, v_rotate=True), "float16", "v: holds NaN or Inf, or rows that overflow float16 once rotated "
+                                                "(v_rotate grows a row by up to sqrt(head_dim)); input rejected"),
+    (cs.KIVI(bits=4), "bfloat16", "v: holds NaN or Inf, or a group whose min or range/levels is beyond float16 stats "
+                                  "(finite values past 65504: use stats_dtype='float32'); input rejected"),
+    (cs.KIVI(bits=4, stats_dtype="float32"), "float32",
+     "v: holds NaN or Inf, or a group whose range is beyond float32 stats; input rejected"),
+])
+def test_flags_alone_name_every_cause_the_kv_dtype_leaves_and_no_other(codec, dtype, said):
+    """Where only the flags are at hand (a paged or layer-wise ingest), the message names
+    what the KV's dtype leaves possible: for fp16 KV, NaN or Inf (and v_rotate's rows)."""
+    with pytest.raises(InputError) as e:
+        codec.check_finite(torch.tensor([[True, True], [True, True], [True, False], [True, True]]), dtype)
+    assert str(e.value) == said

@@ -417,7 +417,8 @@ def test_a_range_beyond_fp16_stats_in_a_block_not_launched_evicts_nothing(device
     checks = _count_rest_checks(monkeypatch)
     toks, kv = tokens_for(46, 6 * BLOCK), make_kv(6 * BLOCK, 46, BF16, device=device)
     kv[1][0][1, 5, 7] = -1e6  # K of block 0 (the last run launched): the group's min, beyond fp16
-    with pytest.raises(InputError, match="range beyond float16 stats"):
+    with pytest.raises(InputError, match=r"^k: a group whose min or range/levels is beyond float16 stats \(finite "
+                                         r"values past 65504: use stats_dtype='float32'\)"):
         cache.ingest(toks, kv)
     assert checks == [1] and commits.calls == [] and cache.lookup(toks) == 0
     assert ([cache.lookup(t) for t in others], _tier_state(cache)) == before
@@ -440,7 +441,8 @@ def test_a_range_beyond_fp16_stats_in_pages_not_launched_names_the_request(devic
     before = ([cache.lookup(t) for t in others], _tier_state(cache))
     commits = _Spy(monkeypatch, cache.store, "commit_many")
     pages.v[2][ids[1], 3, 1, 9] = -1e6  # block 0's token 19, head 1: a V group's min
-    with pytest.raises(InputError, match=r"requests\[0\].*range beyond float16 stats"):
+    with pytest.raises(InputError, match=r"requests\[0\]: v: a group whose min or range/levels is beyond float16 "
+                                         r"stats \(finite values past 65504"):
         cache.ingest_batch([cs.PagedRequest(toks, ids)], pages)
     assert commits.calls == [] and cache.lookup(toks) == 0
     assert ([cache.lookup(t) for t in others], _tier_state(cache)) == before

@@ -247,5 +247,7 @@ def test_a_group_whose_range_the_stats_cannot_hold_is_rejected_whatever_the_clip
         v = torch.cat([x, x[:, :1].expand(2, 60, 64)], dim=1)  # 64 tokens: K's group
         for name in ("torch", "triton"):
             monkeypatch.setenv(backend.BACKEND_ENV, name)
-            with pytest.raises(cs.InputError, match="^v: holds NaN or Inf, or a group range beyond float16 stats"):
+            with pytest.raises(cs.InputError, match=r"^v: a group whose min or range/levels is beyond float16 stats "
+                                                     r"\(finite values past 65504: use stats_dtype='float32'\); "
+                                                     r"input rejected$"):
                 cs.KIVI(bits=4, group_size=64, v_clip=clip).encode(k, v)

@@ -76,8 +76,9 @@ class KVLayerCodec(Protocol):
         pages' device) straight into the pages of blocks ``[first, first + n)`` of ``source``."""
         ...
 
-    def check_finite(self, finite: Any) -> None:
-        """Raise ``InputError`` unless the flags from ``encode_deferred`` all hold."""
+    def check_finite(self, finite: Any, kv_dtype: str | None = None) -> None:
+        """Raise ``InputError`` unless the flags from ``encode_deferred`` all hold; its
+        message names the causes ``kv_dtype`` (the KV's, when given) leaves possible."""
         ...
 
     def safe_magnitudes(self, dtype: str, head_dim: int) -> tuple[float, float] | None:

@@ -241,8 +241,12 @@ class KIVI:
 
     def encode(self, k: Any, v: Any) -> EncodedLayer:
         """Quantize on the tensors' device. Rejects NaN, Inf and ranges the stats cannot hold."""
+        from .tensors import dtype_str
+
         layer, finite = self.encode_deferred(k, v)
-        self.check_finite(finite)
+        if not bool(finite.all()):
+            side = "k" if not bool(finite[:2].all()) else "v"
+            raise InputError(self._refusal(side, dtype_str(k.dtype), k if side == "k" else v))
         return layer
 
     def encode_deferred(self, k: Any, v: Any, *, out: list[Any] | None = None) -> tuple[EncodedLayer, Any]:
@@ -357,24 +361,44 @@ class KIVI:
         source.scatter("k", k, first, n, layers)
         source.scatter("v", v, first, n, layers)
 
-    def check_finite(self, finite: Any) -> None:
+    def check_finite(self, finite: Any, kv_dtype: str | None = None) -> None:
         """Raise ``InputError`` unless every flag from :meth:`encode_deferred` (or a paged
-        encode's ``[4, n]``) holds."""
+        encode's ``[4, n]``) holds. ``kv_dtype`` (the KV's, when known) narrows the message
+        to the causes that dtype leaves possible."""
         flags = finite.tolist()
         if finite.dim() > 1:
             flags = [all(row) for row in flags]
         if not all(flags):
-            bad = "k" if not all(flags[:2]) else "v"
-            if self.stats_dtype != "float32":
-                hint = "use stats_dtype='float32' for values beyond 65504"
-            elif bad == "v" and self.v_rotate:
-                # The rotated rows are rounded to V's own dtype: an fp16 row aligned with the
-                # rotation's signs grows by up to sqrt(head_dim) and can pass 65504.
-                hint = "with v_rotate, fp16 V rows grow by up to sqrt(head_dim) when rotated"
-            else:
-                hint = "the stats are float32 already"
-            raise InputError(f"{bad}: holds NaN or Inf, or a group range beyond {self.stats_dtype} stats "
-                             f"({hint}); input rejected")
+            raise InputError(self._refusal("k" if not all(flags[:2]) else "v", kv_dtype))
+
+    def _refusal(self, side: str, kv_dtype: str | None, values: Any = None) -> str:
+        """Why ``side``'s stats came out non-finite, for the error: from ``values`` (the side's
+        KV) when given, else every cause ``kv_dtype`` leaves possible. fp32 stats are
+        suggested only where they can help: finite values past fp16's range."""
+        rotated = side == "v" and self.v_rotate
+        rotation = (f"rows that overflow {kv_dtype or 'the KV dtype'} once rotated (v_rotate grows a row by up "
+                    "to sqrt(head_dim))")
+        if self.stats_dtype == "float16":
+            stats = ("a group whose min or range/levels is beyond float16 stats (finite values past 65504: "
+                     "use stats_dtype='float32')")
+        else:
+            stats = "a group whose range is beyond float32 stats"
+        if values is not None:
+            from .tensors import all_finite
+
+            if not bool(all_finite(values)):
+                return f"{side}: holds NaN or Inf; input rejected"
+            if rotated and not bool(all_finite(self._rotated(values))):
+                return f"{side}: {rotation}; input rejected"
+            return f"{side}: {stats}; input rejected"
+        # Without the values: fp16 KV's min fits fp16 stats and its range over 3 or more
+        # levels does too, so only NaN, Inf or (v_rotate) a rotated row can fail it.
+        causes = ["holds NaN or Inf"]
+        if rotated:
+            causes.append(rotation)
+        if kv_dtype != "float16":
+            causes.append(stats)
+        return f"{side}: {', or '.join(causes)}; input rejected"
 
     def safe_magnitudes(self, dtype: str, head_dim: int) -> tuple[float, float] | None:
         """Within ``m``, a group's min fits the stats and its range (at most ``2m``, taken in

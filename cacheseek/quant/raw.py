@@ -131,7 +131,7 @@ class Raw:
         source.scatter("k", buffers[0], first, n, layers)
         source.scatter("v", buffers[1], first, n, layers)
 
-    def check_finite(self, finite: Any) -> None:
+    def check_finite(self, finite: Any, kv_dtype: str | None = None) -> None:
         flags = finite.tolist()
         if finite.dim() > 1:
             flags = [all(row) for row in flags]
