@@ -620,3 +620,24 @@ def test_flags_alone_name_every_cause_the_kv_dtype_leaves_and_no_other(codec, dt
     with pytest.raises(InputError) as e:
         codec.check_finite(torch.tensor([[True, True], [True, True], [True, False], [True, True]]), dtype)
     assert str(e.value) == said
+
+
+@pytest.mark.parametrize("dtype, make, bits, fp16_steps", [
+    (torch.float32, lambda x: 1000 + 1e-3 * x, 4, 4.0),
+    (torch.float32, lambda x: 1000 + 1e-3 * x, 8, 100.0),
+    (torch.bfloat16, lambda x: 1e-5 * x, 8, 20.0),
+    (torch.float16, lambda x: 1e-5 * x, 8, 20.0),
+])
+def test_fp16_stats_lose_steps_inside_fp16_range_where_precision_md_says_fp32_stats_do_not(dtype, make, bits,
+                                                                                           fp16_steps):
+    """docs/precision.md, "The stats dtype": fp32 KV at a large offset with a small range,
+    and int8 groups of tiny ranges (a subnormal fp16 scale), lose many quantization steps to
+    fp16 stats, and none to fp32 stats."""
+    k = make(torch.randn(1, 1, 32, 64, generator=torch.Generator().manual_seed(0))).to(dtype)
+    step = (k.float().amax(-2) - k.float().amin(-2)).max().item() / ((1 << bits) - 1)
+    errors = []
+    for stats in ("float16", "float32"):
+        codec = cs.KIVI(bits=bits, stats_dtype=stats)
+        decoded, _ = codec.decode(codec.encode(k, k.clone()))
+        errors.append((decoded.float() - k.float()).abs().max().item() / step)
+    assert errors[0] > fp16_steps and errors[1] <= 0.55, errors
