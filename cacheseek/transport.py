@@ -260,8 +260,14 @@ class BulkTransport(httpx.BaseTransport):
                         return sock, True
                     _close(sock)
         scheme, host, port = key
+        thread = threading.get_ident()
+
+        def cut_off() -> bool:  # (a close() from another thread while this one connects)
+            cutoff = self._cutoff_for(thread)
+            return cutoff is not None and cutoff <= time.monotonic()
+
         try:
-            sock = open_socket(host, port, timeouts.get("connect"))
+            sock = open_socket(host, port, timeouts.get("connect"), cut_off=cut_off)
         except TimeoutError as exc:
             raise httpx.ConnectTimeout(str(exc), request=request) from None
         except OSError as exc:

@@ -2296,6 +2296,32 @@ def test_close_ends_a_load_another_thread_has_under_way_at_once(srv):
         cache.close()
 
 
+def test_close_ends_a_call_another_thread_has_still_connecting(monkeypatch):
+    """A call still connecting (its name's lookup hung: a dead resolver) was not cut by
+    ``close()``: it went on for its whole connect timeout, and held the process's exit so.
+    It ends within a tenth of a second of close() now, with the closed error."""
+    real, asked = socket.getaddrinfo, threading.Event()
+
+    def hung(host, port, family=0, type=0, proto=0, flags=0):
+        if host == "hung-dns.invalid" and not flags & socket.AI_NUMERICHOST:
+            asked.set()
+            time.sleep(30)
+        return real(host, port, family, type, proto, flags)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hung)
+    cache = cs.RemoteCache("http://hung-dns.invalid:8080", model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                           block_tokens=BLOCK, timeout=20, trust_env=False)
+    with ThreadPoolExecutor(1) as loader:
+        call = loader.submit(cache.lookup, tokens_for(1, 2 * BLOCK))
+        assert asked.wait(10)
+        start = time.monotonic()
+        cache.close()
+        with pytest.raises(RuntimeError, match=r"^RemoteCache: closed"):
+            call.result(timeout=15)  # (the old code: on for the whole 20 s connect timeout)
+        assert time.monotonic() - start < 5
+    assert cache.client_stats()["outages"] == 0
+
+
 def test_a_prefix_answer_cut_at_any_byte_gives_the_frames_whole_before_it_and_every_buffer_back(srv):
     """A prefix answer whose connection ends (a server killed, a front gone) in its head,
     at each frame boundary, inside each length prefix and inside each frame: a head cut
