@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 from .host_memory import cpu_budget_problem
+from .store.arena import cpu_chunk_bytes
 from .store.eviction import DEFAULT_POLICY, check_policy
 from .store.tier import Tier
 from .store.tiered import TieredStore
@@ -105,7 +106,8 @@ class TierConfig:
         at open is trimmed to it only by the store's ``trim()``, which its owner calls once the
         pins it keeps are made again (the server: ``.cacheseek-pins.json``); else it is
         trimmed here, once the tiers below that take what it evicts are built.
-        ``max_frame_bytes``: the largest frame the owner writes or reads; the disk tier reads
+        ``max_frame_bytes``: the largest frame the owner writes or reads; the CPU tier's chunks
+        hold one at least (``arena.cpu_chunk_bytes``); the disk tier reads
         no larger file (``DiskTier``), the Redis tier no more of a value than one byte past it
         (``RedisTier``): either is a corrupt frame, deleted."""
         check_policy(self.eviction, what="eviction")
@@ -154,7 +156,8 @@ class TierConfig:
             tiers.append(GpuTier(gpu, device=self.gpu_device, policy=self.eviction))
         if cpu:
             tiers.append(CpuTier(cpu, pin=self.pin_memory, reserve_bytes=self.resolved_cpu_reserve_bytes(),
-                                 policy=self.eviction, map_at_start=self.cpu_map_at_start))
+                                 policy=self.eviction, map_at_start=self.cpu_map_at_start,
+                                 chunk_bytes=cpu_chunk_bytes(max_frame_bytes)))
         if self.disk_path is not None:
             if isinstance(self.disk_read_depth, bool) or not isinstance(self.disk_read_depth, int) \
                     or not 1 <= self.disk_read_depth <= 256:

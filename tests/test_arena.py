@@ -209,3 +209,54 @@ def test_an_embedded_cache_under_rlimit_as_stores_on_disk_what_host_memory_canno
     assert out["cpu_blocks"] == 0 and out["disk_blocks"] == 24 and out["read_back"] == 4 * BLOCK
     assert out["capped_after"] is None and out["cpu_blocks_after"] == 4
     assert proc.stderr.count("could not be mapped") == 1
+
+
+def test_a_frame_larger_than_a_chunk_gets_a_chunk_of_its_own():
+    # (a frame over the 1 GiB chunk, a big block, at a scale a test can afford): it was "no
+    # contiguous room" in an empty tier whatever the budget.
+    arena = HostArena(16 * MiB, chunk_bytes=MiB)
+    small = arena.allocate(MiB // 2)
+    big = arena.allocate(3 * MiB)
+    assert small is not None and big is not None and big.chunk.nbytes == 4 * MiB
+    big.view()[:] = b"\x07" * big.nbytes
+    assert bytes(big.view()[-4:]) == b"\x07" * 4
+    arena.free(big)
+    again = arena.allocate(3 * MiB)  # the freed chunk serves the next one, no new mapping
+    assert again is not None and again.chunk is big.chunk and arena.reserved_bytes == 5 * MiB
+
+
+def test_a_tier_stores_and_serves_a_frame_larger_than_its_chunks():
+    tier = CpuTier(64 * MiB, chunk_bytes=MiB, pin=False)
+    with cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=1024,
+                        tiers=cs.TierConfig(cpu_bytes="64MiB", pin_memory=False)) as cache:
+        toks, kv = tokens_for(5, 1024), make_kv(1024, 5)
+        cache.ingest(toks, kv)
+        key = next(iter(cache.store.tiers[0]._records))
+        frame = cache.store.tiers[0].get(key)
+        assert frame.meta.nbytes > 1.5 * MiB
+        tier.put(key, frame)
+        frame.lease.release()
+    got = tier.get(key)
+    assert bytes(got.host) == bytes(frame.host) and tier.stats().write_errors == 0
+    got.lease.release()
+
+
+def test_a_tier_built_for_frames_over_a_gib_maps_chunks_that_hold_them():
+    # (nothing is mapped until a frame lands: a 3 GiB budget costs no memory here)
+    store = cs.TierConfig(cpu_bytes="3GiB", pin_memory=False, cpu_reserve_bytes=0).build(max_frame_bytes=1208 << 20)
+    try:
+        assert store.tiers[0]._arena.chunk_bytes == 2 << 30 and store.tiers[0]._arena.reserved_bytes == 0
+    finally:
+        store.close()
+
+
+def test_a_frame_larger_than_every_chunk_of_a_mapped_budget_says_so():
+    tier = CpuTier(4 * MiB, chunk_bytes=MiB, pin=False, map_at_start=True)
+    with cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=1024,
+                        tiers=cs.TierConfig(cpu_bytes="64MiB", pin_memory=False)) as cache:
+        cache.ingest(tokens_for(6, 1024), make_kv(1024, 6))
+        key = next(iter(cache.store.tiers[0]._records))
+        frame = cache.store.tiers[0].get(key)
+        with pytest.raises(cs.StorageError, match="larger than the tier's largest slot"):
+            tier.put(key, frame)
+        frame.lease.release()

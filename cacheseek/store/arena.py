@@ -46,6 +46,17 @@ ALIGN = 64
 GROW_RETRY_SECONDS = 60.0
 
 
+# The CPU tier's chunk: mapped (and pinned) at once, so not much larger; a frame must lie in one.
+CHUNK_BYTES = 1 << 30
+
+
+def cpu_chunk_bytes(max_frame_bytes: int | None) -> int:
+    """The chunk for a CPU tier whose owner writes frames up to ``max_frame_bytes`` (None:
+    not known): ``CHUNK_BYTES``, or more, so that every chunk holds the largest frame and the
+    room an eviction makes in any of them serves it."""
+    return max(CHUNK_BYTES, _align(max_frame_bytes or 0))
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -167,10 +178,12 @@ class Slot:
 
 
 class HostArena:
-    """Slots for frames in host memory, up to ``capacity_bytes`` in ``chunk_bytes`` chunks.
+    """Slots for frames in host memory, up to ``capacity_bytes`` in ``chunk_bytes`` chunks
+    (a frame larger than that in a chunk of its own: the CPU tier's owner passes a
+    ``chunk_bytes`` at least its largest frame, so that room evicted in any chunk serves it).
     ``lock``: the owner's lock, held by the caller around every call (see the module doc)."""
 
-    def __init__(self, capacity_bytes: int, *, pin: bool = False, chunk_bytes: int = 1 << 30,
+    def __init__(self, capacity_bytes: int, *, pin: bool = False, chunk_bytes: int = CHUNK_BYTES,
                  lock: threading.Lock | None = None, map_at_start: bool = False) -> None:
         """``map_at_start``: map (and, pinned, page-lock) the whole capacity now, rather than a
         chunk at a time inside the allocation that first needs it (~0.5 s a GiB pinned, under
@@ -284,8 +297,10 @@ class HostArena:
         when not even one fits)."""
         need = _align(nbytes)
         if partial:
-            count = min(count, self.chunk_bytes // need)
-        if count < 1 or need * count > self.chunk_bytes:
+            count = min(count, max(1, self.chunk_bytes // need))
+        # One frame larger than a chunk (a big block: a video frame, 256 tokens of a large
+        # MHA model) gets a chunk of its own size; a run only spans chunks of ``chunk_bytes``.
+        if count < 1 or count > 1 and need * count > self.chunk_bytes:
             return None
         for chunk in self._chunks:
             offset = chunk.allocate(need * count)
@@ -309,10 +324,10 @@ class HostArena:
         room in some chunk: asked before evicting block after block for room the arena cannot
         give (slots held by readers, reservations) and failing with the tier emptied."""
         need = _align(nbytes)
-        if need > self.chunk_bytes:
-            return False
         if self._may_grow():
             return True  # a new chunk
+        if need > max((chunk.nbytes for chunk in self._chunks), default=0):
+            return False  # (a frame larger than every chunk: no walk over the slots)
         freeable: dict[int, list[tuple[int, int]]] = {}
         for slot in slots:
             if not slot.leases and not slot.freed:
@@ -330,7 +345,10 @@ class HostArena:
 
     def _next_chunk_bytes(self, need: int) -> int:
         """The next chunk's size: a power of two no larger than the capacity left (a 4.5 GiB
-        capacity maps 4 x 1 GiB + 512 MiB, not 5 GiB), unless ``need`` bytes need more."""
+        capacity maps 4 x 1 GiB + 512 MiB, not 5 GiB), unless ``need`` bytes need more; past
+        ``chunk_bytes`` only for one frame larger than it (a chunk of its own)."""
+        if need > self.chunk_bytes:
+            return _pow2_at_least(need)
         left = self.capacity_bytes - self.reserved_bytes
         return min(self.chunk_bytes, max(1 << (left.bit_length() - 1), _pow2_at_least(need)))
 

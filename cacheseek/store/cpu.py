@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StorageError
-from .arena import HostArena, Slot
+from .arena import CHUNK_BYTES, HostArena, Slot
 from .lease import Lease, release_all
 from .arena import slot_stride as _aligned
 from .frame import FrameMeta, header_prefix
@@ -41,7 +41,7 @@ class CpuTier(MemoryTier):
     accepts_device_frames = True
     lends_runs = True
 
-    def __init__(self, capacity_bytes: int, *, pin: bool = False, name: str = "cpu", chunk_bytes: int = 1 << 30,
+    def __init__(self, capacity_bytes: int, *, pin: bool = False, name: str = "cpu", chunk_bytes: int = CHUNK_BYTES,
                  reserve_bytes: int = 0, policy: str = DEFAULT_POLICY, map_at_start: bool = False):
         super().__init__(name, capacity_bytes, policy=policy)
         # Reservations (frames still arriving) may take ``reserve_bytes`` beyond the budget:
@@ -211,6 +211,12 @@ class CpuTier(MemoryTier):
                 slot = self._arena.allocate(nbytes)
         if slot is None:
             capped = f"; host memory short: {self._arena.capped}" if self._arena.capped is not None else ""
+            if _aligned(nbytes) > self._arena.chunk_bytes:
+                raise StorageError(
+                    f"{self.name} tier: a {nbytes}-byte frame is larger than the tier's largest slot (its chunks "
+                    f"of {self._arena.chunk_bytes} bytes) and the budget is mapped already in smaller chunks: build "
+                    f"the tier with chunk_bytes at least the largest frame (TierConfig.build's max_frame_bytes), "
+                    f"or use smaller blocks (block_tokens){capped}")
             raise StorageError(
                 f"{self.name} tier: no contiguous room for a {nbytes}-byte frame "
                 f"(chunk {self._arena.chunk_bytes} bytes; {self._arena.held} evicted slots still leased, "
