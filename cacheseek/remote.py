@@ -100,6 +100,9 @@ ERROR_BODY_BYTES = 64 << 10  # an error answer's body read whole, for its connec
 ANSWER_BYTES = 64 << 20
 REASON_CHARS = 500  # of an error answer that is not the server's JSON, kept as the error's reason
 # How a server before the error fields (docs/http-api.md) named its body limit in a 413: in the sentence.
+# Frames up to this size are read into (and sent from) pieces of shared slabs, not a mapping
+# each: a chain of 70,000 small blocks passed vm.max_map_count (``BufferPool``).
+PIECES_UP_TO = 256 << 10
 _BODY_LIMIT = re.compile(r"max_body_bytes \((\d+)\)")
 
 log = logging.getLogger("cacheseek.remote")
@@ -284,12 +287,12 @@ class RemoteCache(PrefixCacheBase):
         # The frames' host memory, reused from one write to the next, waited or not
         # (page-locked beside a GPU): fresh memory cost a 4K-token int4 save 87 ms of page
         # faults on the H200, the copy itself 15 ms.
-        self._host_buffers = BufferPool(pin=True, keep_bytes=pending)
+        self._host_buffers = BufferPool(pin=True, keep_bytes=pending, pieces_up_to=PIECES_UP_TO)
         read_keep = parse_size(read_buffer_bytes, name="read_buffer_bytes")
         # The frames a materialize reads, reused by the next: into fresh memory, half the
         # client's time on a loopback read went to page faults; page-locked, a frame's copy
         # to the GPU runs at the link's speed and off the host's way.
-        self._read_buffers = BufferPool(pin=True, keep_bytes=read_keep)
+        self._read_buffers = BufferPool(pin=True, keep_bytes=read_keep, pieces_up_to=PIECES_UP_TO)
         self.max_body_bytes = parse_size(max_body_bytes, name="max_body_bytes")
         if self.max_body_bytes <= 0:
             raise ConfigError(f"max_body_bytes: must be > 0 bytes, got {max_body_bytes!r}")
@@ -1345,7 +1348,13 @@ class RemoteCache(PrefixCacheBase):
         leases: list[Any] = []  # every buffer taken; those of no frame handed out go back here
 
         def take(n: int) -> memoryview:
-            lease = self._read_buffers.take(n)
+            try:
+                lease = self._read_buffers.take(n)
+            except (OSError, MemoryError) as exc:
+                # Host memory short: the prefix read so far stands (``_read_chain``), said here.
+                log.warning("a read of a chain of %d blocks from %s ends after %d frames: no host memory for the "
+                            "next (%s: %s)", len(hashes), self.url, len(leases), type(exc).__name__, exc)
+                raise MemoryError(f"no host memory for a {n}-byte frame") from exc
             leases.append(lease)
             return lease.buffer.view(n)
 
@@ -1404,8 +1413,8 @@ class RemoteCache(PrefixCacheBase):
                     # and then refused the lookups and small loads it passes whole. A server
                     # gone for good fails the next call's connect, which the breaker counts.
                     self._outages.cut_answer(path, len(frames), exc)
-                except (FrameError, BatchFormatError, BatchTooLarge):
-                    pass  # a bad or oversized frame ends the prefix; the whole ones before it stand
+                except (FrameError, BatchFormatError, BatchTooLarge, MemoryError):
+                    pass  # a bad or oversized frame (or one no memory is left for) ends the prefix; the whole ones before it stand
         except httpx.TransportError as exc:
             # Before a body (no answer, or one that is not HTTP), as for any other call.
             raise self._unreached(exc, path) from None

@@ -2477,3 +2477,69 @@ def test_check_token_says_a_token_the_server_refuses_and_changes_nothing(tmp_pat
                         token="w", timeout=2) as c:
         c.check_token()
         assert c.client_stats()["breaker"]["consecutive_failures"] == 0
+
+
+def _mappings() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps)
+
+
+TINY = cs.KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
+
+
+def test_a_long_chain_of_small_frames_is_read_into_slabs_not_a_mapping_a_frame(srv):
+    """A world model's long chain of small blocks: each frame read took a mapping of its
+    own, and a chain past ~65k frames passed vm.max_map_count (65,530): mmap failed with
+    ENOMEM out of materialize, a raw OSError. Now small frames are pieces of shared slabs."""
+    n = 3000
+    ids, kv = torch.arange(n), [(torch.randn(1, n, 8).half(), torch.randn(1, n, 8).half())]
+    with cs.RemoteCache(srv.url, model_id="long-chain", layout=TINY, codec=cs.Raw(), block_tokens=1,
+                        token="w", trust_env=False) as cache:
+        assert cache.ingest(ids, kv).stored == n
+        before = _mappings()
+        got = cache.materialize(ids)
+        grew = _mappings() - before
+        assert got.num_tokens == n
+        assert_prefix_equal(got, kv, n)
+        assert grew < 100, f"{grew} mappings more after reading {n} frames"
+        stats = _read_buffers(cache)
+        assert stats["buffers_made"] == n and stats["leases_active"] == 0
+
+
+def test_read_buffers_of_small_frames_are_found_again_without_a_scan(srv):
+    """The pool found its best fit by a scan of every free buffer: a long chain read after
+    another (its ~65k buffers kept) took minutes, and the server cut the stalled stream."""
+    with _remote(srv, cs.Raw()) as cache:
+        pool = cache._read_buffers
+        before = _mappings()
+        leases = [pool.take(64 + i % 4000) for i in range(30_000)]
+        assert _mappings() - before < 100
+        for lease in leases:
+            lease.release()
+        started = time.monotonic()
+        leases = [pool.take(64 + i % 4000) for i in range(30_000)]
+        assert time.monotonic() - started < 30  # (a scan: ~30,000 x 30,000 steps, minutes)
+        assert pool.stats()["buffers_made"] == 30_000
+        for lease in leases:
+            lease.release()
+
+
+def test_a_read_that_finds_no_host_memory_ends_the_prefix_with_a_warning(srv, caplog):
+    toks, kv = tokens_for(94, 4 * BLOCK), make_kv(4 * BLOCK, 94)
+    with _remote(srv, cs.Raw(), namespace="no-memory") as cache:
+        assert cache.ingest(toks, kv).stored == 4
+        real, taken = cache._read_buffers.take, []
+
+        def take(nbytes):
+            if len(taken) == 2:
+                raise OSError(12, "Cannot allocate memory")
+            taken.append(nbytes)
+            return real(nbytes)
+
+        cache._read_buffers.take = take
+        with caplog.at_level("WARNING", logger="cacheseek.remote"):
+            got = cache.materialize(toks)
+        assert got.num_tokens == 2 * BLOCK
+        assert_prefix_equal(got, kv, 2 * BLOCK)
+        assert any("no host memory" in r.getMessage() for r in caplog.records)
+        assert _read_buffers(cache)["leases_active"] == 0

@@ -25,6 +25,7 @@ Torch-free unless a pool pins.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import fcntl
@@ -43,6 +44,9 @@ from typing import Any
 from ..errors import StorageError
 from .lease import Lease, LeaseLedger
 
+# A pool's pieces (``BufferPool(pieces_up_to=)``): cut from slabs of this size, at this alignment.
+SLAB_BYTES = 4 << 20
+PIECE_ALIGN = 64
 DIRECT_ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers (a page; >= any logical block here)
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 READ_PATHS = ("o_direct", "o_direct-unenforced", "buffered")
@@ -156,44 +160,86 @@ class AlignedBuffer:
         return self._base
 
 
+class _Piece:
+    """``nbytes`` of a slab (an ``AlignedBuffer``) from ``offset``: a buffer of its own to the
+    pool and its holders, with the slab's pinning; the slab stays mapped while any piece does."""
+
+    __slots__ = ("nbytes", "pinned", "_slab", "_offset")
+
+    def __init__(self, slab: AlignedBuffer, offset: int, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.pinned = slab.pinned
+        self._slab = slab
+        self._offset = offset
+
+    def view(self, nbytes: int | None = None) -> memoryview:
+        end = self._offset + (self.nbytes if nbytes is None else nbytes)
+        return self._slab.view()[self._offset : end]
+
+    @property
+    def address(self) -> int:
+        return self._slab.address + self._offset
+
+
 class BufferLease(Lease):
     """One pool buffer lent to a reader (a ``store.lease.Lease``): ``release()`` gives it
     back to the pool, exactly once."""
 
     __slots__ = ("buffer",)
 
-    def __init__(self, pool: BufferPool, buffer: AlignedBuffer) -> None:
+    def __init__(self, pool: BufferPool, buffer: AlignedBuffer | _Piece) -> None:
         super().__init__(pool, buffer.nbytes, buffer)
         self.buffer = buffer
 
 
 class BufferPool:
     """Aligned buffers lent and given back, kept for reuse up to ``keep_bytes`` in all (a
-    pinned buffer costs a page-locking to make, so a materialize reuses the last one's)."""
+    pinned buffer costs a page-locking to make, so a materialize reuses the last one's).
+    ``pieces_up_to``: a buffer of at most that many bytes is a piece of a ``SLAB_BYTES`` slab,
+    64-byte aligned, not a mapping of its own (0: none are; the disk tier's ``O_DIRECT``
+    reads need whole pages): a read of a chain of 70,000 small frames held a mapping
+    each, past the kernel's ``vm.max_map_count`` (65,530), and mmap failed with ENOMEM."""
 
-    def __init__(self, *, pin: bool = False, keep_bytes: int = 1 << 30) -> None:
+    def __init__(self, *, pin: bool = False, keep_bytes: int = 1 << 30, pieces_up_to: int = 0) -> None:
         self.pin = pin
         self.keep_bytes = keep_bytes
-        self._free: list[AlignedBuffer] = []
+        self.pieces_up_to = pieces_up_to
+        # Free buffers by size, and their sizes in order: a take finds its best fit by
+        # bisection (a scan of the free list made a long chain's read quadratic: minutes).
+        self._free: dict[int, list[AlignedBuffer | _Piece]] = {}
+        self._sizes: list[int] = []
+        self._free_count = 0
         self._free_bytes = 0
+        self._slab: AlignedBuffer | None = None  # the slab pieces are being cut from
+        self._slab_used = 0
         self._lock = threading.Lock()
         self.made = 0
         self.pin_refused = False  # a buffer asked to be page-locked, with CUDA present, was not
         self.ledger = LeaseLedger()
 
     def take(self, nbytes: int) -> BufferLease:
-        need = round_up(max(nbytes, 1))
+        """A buffer of at least ``nbytes``. Raises ``OSError`` (ENOMEM) where the OS maps no
+        more host memory."""
+        piece = 0 < nbytes <= self.pieces_up_to
+        need = round_up(nbytes, PIECE_ALIGN) if piece else round_up(max(nbytes, 1))
         with self._lock:
             # The smallest free buffer that fits; a much larger one stays for a larger frame.
-            best = None
-            for i, buf in enumerate(self._free):
-                if need <= buf.nbytes <= 2 * need and (best is None or buf.nbytes < self._free[best].nbytes):
-                    best = i
-            if best is not None:
-                buf = self._free.pop(best)
+            i = bisect.bisect_left(self._sizes, need)
+            if i < len(self._sizes) and self._sizes[i] <= 2 * need:
+                size = self._sizes[i]
+                bucket = self._free[size]
+                buf = bucket.pop()
+                if not bucket:
+                    del self._free[size], self._sizes[i]
+                self._free_count -= 1
                 self._free_bytes -= buf.nbytes
                 self.ledger.on_grant(buf.nbytes)
                 return BufferLease(self, buf)
+            if piece:
+                made: AlignedBuffer | _Piece = self._cut(need)
+                self.made += 1
+                self.ledger.on_grant(made.nbytes)
+                return BufferLease(self, made)
             self.made += 1
         buf = AlignedBuffer(need, pin=self.pin)
         with self._lock:
@@ -201,21 +247,45 @@ class BufferPool:
             self.ledger.on_grant(buf.nbytes)
         return BufferLease(self, buf)
 
-    def lease_released(self, buf: AlignedBuffer, nbytes: int) -> None:
+    def _cut(self, nbytes: int) -> _Piece:
+        """A new piece from the current slab, or from a new one (under the lock)."""
+        if self._slab is None or self._slab_used + nbytes > self._slab.nbytes:
+            self._slab = AlignedBuffer(max(SLAB_BYTES, nbytes), pin=self.pin)
+            self._slab_used = 0
+            self.pin_refused |= self.pin and not self._slab.pinned and _cuda_present()
+        piece = _Piece(self._slab, self._slab_used, nbytes)
+        self._slab_used += nbytes
+        return piece
+
+    def lease_released(self, buf: AlignedBuffer | _Piece, nbytes: int) -> None:
         """A lease's buffer comes back: kept for reuse (up to ``keep_bytes``) or dropped."""
         with self._lock:
             self.ledger.on_release(nbytes)
             if self._free_bytes + buf.nbytes <= self.keep_bytes:
-                self._free.append(buf)
+                bucket = self._free.get(buf.nbytes)
+                if bucket is None:
+                    bucket = self._free[buf.nbytes] = []
+                    bisect.insort(self._sizes, buf.nbytes)
+                bucket.append(buf)
+                self._free_count += 1
                 self._free_bytes += buf.nbytes
 
     def keep_at_most(self, nbytes: int) -> None:
-        """Keep no more than ``nbytes`` for reuse from now on: free buffers past it go now,
-        lent ones as they come back. The counts go on (leases lent stay counted)."""
+        """Keep no more than ``nbytes`` for reuse from now on: free buffers past it go now
+        (the largest first), lent ones as they come back. The counts go on (leases lent stay
+        counted)."""
         with self._lock:
             self.keep_bytes = nbytes
-            while self._free and self._free_bytes > nbytes:
-                self._free_bytes -= self._free.pop().nbytes
+            while self._sizes and self._free_bytes > nbytes:
+                size = self._sizes[-1]
+                bucket = self._free[size]
+                self._free_bytes -= bucket.pop().nbytes
+                self._free_count -= 1
+                if not bucket:
+                    del self._free[size]
+                    self._sizes.pop()
+            if nbytes == 0:
+                self._slab = None  # (mapped on while a piece of it is, lent or kept)
 
     def stats(self) -> dict[str, Any]:
         """``pinned``: whether its buffers are page-locked (asked for, CUDA present, and none
@@ -223,7 +293,7 @@ class BufferPool:
         nothing is page-locked."""
         with self._lock:
             pinned = self.pin and not self.pin_refused and _cuda_present()
-            return {"buffers_made": self.made, "buffers_free": len(self._free), "free_bytes": self._free_bytes,
+            return {"buffers_made": self.made, "buffers_free": self._free_count, "free_bytes": self._free_bytes,
                     "pinned": pinned, **self.ledger.stats()}
 
 
@@ -535,9 +605,10 @@ def _warn_unpinned(exc: BaseException) -> None:
         log.warning("read buffers: page-locked memory refused (%s); reading into pageable memory", exc)
 
 
-def _read_whole(fd: int, path: Path, buf: AlignedBuffer, size: int, direct: bool) -> int:
-    """Read ``size`` bytes from offset 0 into ``buf``; with O_DIRECT every request is aligned
-    (the last one rounded up: the file's end cuts it short). Returns the bytes read."""
+def _read_whole(fd: int, path: Path, buf: AlignedBuffer | _Piece, size: int, direct: bool) -> int:
+    """Read ``size`` bytes from offset 0 into ``buf`` (whole pages: a pool without pieces);
+    with O_DIRECT every request is aligned (the last one rounded up: the file's end cuts it
+    short). Returns the bytes read."""
     got = 0
     limit = round_up(size) if direct else size
     while got < size:
@@ -551,7 +622,7 @@ def _read_whole(fd: int, path: Path, buf: AlignedBuffer, size: int, direct: bool
     return min(got, size)
 
 
-def _read_rest_buffered(path: Path, buf: AlignedBuffer, start: int, size: int) -> int:
+def _read_rest_buffered(path: Path, buf: AlignedBuffer | _Piece, start: int, size: int) -> int:
     with open(path, "rb", buffering=0) as f:
         f.seek(start)
         view = buf.view(size)[start:]
