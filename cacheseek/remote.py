@@ -100,6 +100,13 @@ ERROR_BODY_BYTES = 64 << 10  # an error answer's body read whole, for its connec
 ANSWER_BYTES = 64 << 20
 REASON_CHARS = 500  # of an error answer that is not the server's JSON, kept as the error's reason
 # How a server before the error fields (docs/http-api.md) named its body limit in a 413: in the sentence.
+# The most frames in one POST /v1/blocks: a server with a disk tier spends its time per block
+# (a file and a sidecar each, fsynced in group commits), ~2 ms a small block on a loaded
+# 2-core host (4,096 in 7.5 s, 16,384 in 32 s), so 150,000 small blocks in one body were
+# answered after ~190 s, past the 60 s read timeout: reported as an outage (breaker open)
+# while the server stored them all. 2,048 is ~4 s there; the bytes cap binds first for
+# frames over 512 KiB.
+MAX_BODY_FRAMES = 2048
 # Frames up to this size are read into (and sent from) pieces of shared slabs, not a mapping
 # each: a chain of 70,000 small blocks passed vm.max_map_count (``BufferPool``).
 PIECES_UP_TO = 256 << 10
@@ -246,8 +253,9 @@ class RemoteCache(PrefixCacheBase):
         verification). ``proxy``: a proxy URL; by default (``trust_env``) the environment's
         ``HTTP(S)_PROXY``/``NO_PROXY`` apply. ``breaker``: default 3 failures in a row open
         it, probes after 0.5 s doubling up to 10 s. ``max_body_bytes``: the largest body of one
-        ``POST /v1/blocks``; an ingest whose new frames pass it sends them in several, in
-        order. The default, 1 GiB, is half the server's default ``max_body_bytes``, so that
+        ``POST /v1/blocks``; an ingest whose new frames pass it, or ``MAX_BODY_FRAMES``
+        (2,048: a disk tier's time goes by blocks, each body answered well within
+        ``timeout``), sends them in several, in order. The default, 1 GiB, is half the server's default ``max_body_bytes``, so that
         one body leaves room in its ``max_inflight_body_bytes`` for others. A lower limit of
         the server's lowers this client's to it: the server publishes it in the lookup every
         write begins with, and a ``413`` (an older server's, or a proxy's: half the refused
@@ -1227,7 +1235,8 @@ class RemoteCache(PrefixCacheBase):
         return response
 
     def _post_frames(self, frames: list[BlockFrame]) -> Iterator[dict[str, Any]]:
-        """Send ``frames`` in streamed POSTs of at most ``max_body_bytes`` each, in their
+        """Send ``frames`` in streamed POSTs of at most ``max_body_bytes`` and
+        ``MAX_BODY_FRAMES`` each, in their
         order, and yield each frame's report as its POST is answered (so what a POST stored
         is counted even if a later one meets an outage). Sends nothing until iterated.
         Takes the frames over: each POST's leave the list once it is answered, which frees
@@ -1237,7 +1246,7 @@ class RemoteCache(PrefixCacheBase):
             self._check_body_room(frames)
             while frames:
                 limit, n, total = self.max_body_bytes, 0, 0
-                while n < len(frames) and (n == 0 or total + _wire_bytes(frames[n]) <= limit):
+                while n < min(len(frames), MAX_BODY_FRAMES) and (n == 0 or total + _wire_bytes(frames[n]) <= limit):
                     total += _wire_bytes(frames[n])
                     n += 1
                 try:

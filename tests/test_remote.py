@@ -2543,3 +2543,23 @@ def test_a_read_that_finds_no_host_memory_ends_the_prefix_with_a_warning(srv, ca
         assert_prefix_equal(got, kv, 2 * BLOCK)
         assert any("no host memory" in r.getMessage() for r in caplog.records)
         assert _read_buffers(cache)["leases_active"] == 0
+
+
+def test_a_write_of_many_small_blocks_goes_in_bodies_of_a_bounded_frame_count(srv, monkeypatch):
+    """Bodies were cut by bytes only: 150,000 small blocks were one body a server with a disk
+    tier answered after ~190 s, past the client's read timeout (an outage, the breaker open)
+    while it stored every block. Cut at MAX_BODY_FRAMES too (made small here)."""
+    from cacheseek import remote as remote_module
+
+    monkeypatch.setattr(remote_module, "MAX_BODY_FRAMES", 64, raising=False)
+    n = 200
+    ids, kv = torch.arange(n), [(torch.randn(1, n, 8).half(), torch.randn(1, n, 8).half())]
+    with cs.RemoteCache(srv.url, model_id="many-bodies", layout=TINY, codec=cs.Raw(), block_tokens=1,
+                        token="w", trust_env=False) as cache:
+        bodies, post = [], cache._post_body
+        cache._post_body = lambda frames, total: bodies.append(len(frames)) or post(frames, total)
+        result = cache.ingest(ids, kv)
+        assert result.stored == n and result.failed == 0
+        assert bodies == [64, 64, 64, 8]
+        assert cache.lookup(ids) == n
+        assert_prefix_equal(cache.materialize(ids), kv, n)
