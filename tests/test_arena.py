@@ -217,12 +217,16 @@ def test_a_frame_larger_than_a_chunk_gets_a_chunk_of_its_own():
     arena = HostArena(16 * MiB, chunk_bytes=MiB)
     small = arena.allocate(MiB // 2)
     big = arena.allocate(3 * MiB)
-    assert small is not None and big is not None and big.chunk.nbytes == 4 * MiB
+    assert small is not None and big is not None and big.chunk.nbytes == 3 * MiB  # (whole MiB: not doubled)
     big.view()[:] = b"\x07" * big.nbytes
     assert bytes(big.view()[-4:]) == b"\x07" * 4
     arena.free(big)
     again = arena.allocate(3 * MiB)  # the freed chunk serves the next one, no new mapping
-    assert again is not None and again.chunk is big.chunk and arena.reserved_bytes == 5 * MiB
+    assert again is not None and again.chunk is big.chunk and arena.reserved_bytes == 4 * MiB
+    # A chunk of its own is mapped only where the capacity holds it: 4 MiB mapped of 16, so
+    # 13 MiB more is refused (it passed the budget by as much), 12 MiB taken.
+    assert arena.allocate(13 * MiB) is None and arena.reserved_bytes == 4 * MiB
+    assert arena.allocate(12 * MiB) is not None and arena.reserved_bytes == 16 * MiB
 
 
 def test_a_tier_stores_and_serves_a_frame_larger_than_its_chunks():
@@ -245,7 +249,8 @@ def test_a_tier_built_for_frames_over_a_gib_maps_chunks_that_hold_them():
     # (nothing is mapped until a frame lands: a 3 GiB budget costs no memory here)
     store = cs.TierConfig(cpu_bytes="3GiB", pin_memory=False, cpu_reserve_bytes=0).build(max_frame_bytes=1208 << 20)
     try:
-        assert store.tiers[0]._arena.chunk_bytes == 2 << 30 and store.tiers[0]._arena.reserved_bytes == 0
+        # (whole MiB past a GiB: a power of two, 2 GiB, mapped up to twice the frame)
+        assert store.tiers[0]._arena.chunk_bytes == 1208 << 20 and store.tiers[0]._arena.reserved_bytes == 0
     finally:
         store.close()
 

@@ -65,6 +65,13 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(20, (n - 1).bit_length())
 
 
+def _chunk_size(n: int) -> int:
+    """A chunk of at least ``n`` bytes: a power of two up to ``CHUNK_BYTES`` (a pinned torch
+    allocation wastes nothing), whole MiB past it (a chunk for frames over a GiB: doubled, it
+    mapped up to twice the frame, past the tier's budget)."""
+    return _pow2_at_least(n) if n <= CHUNK_BYTES else -(-n // (1 << 20)) << 20
+
+
 def slot_stride(nbytes: int) -> int:
     """Bytes between the starts of consecutive slots of a run of ``nbytes`` frames."""
     return _align(nbytes)
@@ -190,8 +197,8 @@ class HostArena:
         the owner's lock: a pinned tier's first fill stalls on it)."""
         self.capacity_bytes = capacity_bytes
         self.pin = pin
-        # Powers of two, so a pinned torch allocation wastes nothing. The largest chunk:
-        self.chunk_bytes = _pow2_at_least(min(chunk_bytes, max(capacity_bytes, 1)))
+        # The largest chunk (``_chunk_size``):
+        self.chunk_bytes = _chunk_size(min(chunk_bytes, max(capacity_bytes, 1)))
         self._chunks: list[_Chunk] = []
         self._lock = lock if lock is not None else threading.Lock()
         self._held = 0  # slots freed while leased
@@ -309,7 +316,8 @@ class HostArena:
         # The byte budget is the tier's to enforce (it counts frames, not chunks); the arena
         # only needs room for it: chunks until they cover the budget, the last one partly.
         # (None from ``_grow``: the OS maps no more, and the callers' "no room" path runs)
-        if grow and self._may_grow() and (new := self._grow(self._next_chunk_bytes(need * count))) is not None:
+        if grow and self._may_grow() and self._may_map(size := self._next_chunk_bytes(need * count)) \
+                and (new := self._grow(size)) is not None:
             offset = new.allocate(need * count)
             assert offset is not None
             return [self._slot(new, offset + i * need, need) for i in range(count)]
@@ -324,7 +332,7 @@ class HostArena:
         room in some chunk: asked before evicting block after block for room the arena cannot
         give (slots held by readers, reservations) and failing with the tier emptied."""
         need = _align(nbytes)
-        if self._may_grow():
+        if self._may_grow() and self._may_map(self._next_chunk_bytes(need)):
             return True  # a new chunk
         if need > max((chunk.nbytes for chunk in self._chunks), default=0):
             return False  # (a frame larger than every chunk: no walk over the slots)
@@ -346,11 +354,18 @@ class HostArena:
     def _next_chunk_bytes(self, need: int) -> int:
         """The next chunk's size: a power of two no larger than the capacity left (a 4.5 GiB
         capacity maps 4 x 1 GiB + 512 MiB, not 5 GiB), unless ``need`` bytes need more; past
-        ``chunk_bytes`` only for one frame larger than it (a chunk of its own)."""
+        ``chunk_bytes`` only for one frame larger than it (a chunk of its own, whole MiB)."""
         if need > self.chunk_bytes:
-            return _pow2_at_least(need)
+            return -(-need // (1 << 20)) << 20
         left = self.capacity_bytes - self.reserved_bytes
-        return min(self.chunk_bytes, max(1 << (left.bit_length() - 1), _pow2_at_least(need)))
+        return min(self.chunk_bytes, max(1 << (left.bit_length() - 1), _chunk_size(need)))
+
+    def _may_map(self, size: int) -> bool:
+        """Whether a new chunk of ``size`` may be mapped. One of up to ``chunk_bytes`` may pass
+        the capacity by its rounding (the last one: a power of two); one for a single frame
+        larger than that only where the capacity holds it (doubled and unchecked, a 1.5 GiB
+        tier mapped 3 GiB for one 1.1 GiB frame)."""
+        return size <= self.chunk_bytes or self.reserved_bytes + size <= self.capacity_bytes
 
     def _slot(self, chunk: _Chunk, offset: int, nbytes: int) -> Slot:
         slot = Slot(chunk, offset, nbytes)
