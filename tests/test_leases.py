@@ -17,7 +17,7 @@ import cacheseek as cs
 from cacheseek.store.arena import HostArena
 from cacheseek.store.cpu import CpuTier
 from cacheseek.errors import StorageError
-from cacheseek.store.direct_io import BufferPool
+from cacheseek.store.direct_io import SLAB_BYTES, BufferPool
 from cacheseek.store.lease import LeaseError, LeaseLedger, release_all
 from server_helpers import Server, raw_chain
 from store_helpers import BLOCK, make_cache, make_kv, raw_frame, switching_at_lines, tokens_for
@@ -107,6 +107,28 @@ def test_pooled_buffers_are_leases_too():
         lease.release()
     stats = pool.stats()
     assert stats["leases_active"] == 0 and stats["buffers_free"] == 1 and stats["lease_double_releases"] == 1
+
+
+def test_kept_pieces_hold_their_pool_to_its_keep_bytes_counting_each_slab_they_keep_mapped():
+    """Small buffers are pieces of 4 MiB slabs, and a kept piece keeps its whole slab mapped.
+    Counted at their own bytes, 2,000 pieces of 128 KiB given back in an order that left one
+    in each slab kept every slab: 1 GiB mapped under a keep of 16 MiB. The slabs kept pieces
+    hold are what the keep bounds now; the pieces past it go."""
+    keep = 16 << 20
+    pool = BufferPool(keep_bytes=keep, pieces_up_to=256 << 10)
+    leases = [pool.take(128 << 10) for _ in range(2000)]
+    slabs = {id(lease.buffer._slab) for lease in leases}
+    assert len(slabs) * SLAB_BYTES > 10 * keep  # (the pieces span ~63 slabs)
+    for lease in leases[::32] + [lease for i, lease in enumerate(leases) if i % 32]:
+        lease.release()
+    kept = {id(b._slab) for bucket in pool._free.values() for b in bucket}
+    stats = pool.stats()
+    assert len(kept) * SLAB_BYTES <= keep and stats["kept_bytes"] == len(kept) * SLAB_BYTES, stats
+    assert stats["buffers_free"] >= keep // (128 << 10) // 2  # (still a keep's worth of pieces to reuse)
+    again = [pool.take(128 << 10) for _ in range(stats["buffers_free"])]  # (reused: none made)
+    assert pool.made == 2000 and pool.stats()["kept_bytes"] == 0
+    for lease in again:
+        lease.release()
 
 
 def test_write_through_reads_the_stored_copy_under_a_lease(tmp_path):

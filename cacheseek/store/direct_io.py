@@ -210,6 +210,11 @@ class BufferPool:
         self._sizes: list[int] = []
         self._free_count = 0
         self._free_bytes = 0
+        # The memory free buffers keep mapped, held to ``keep_bytes``: a kept piece keeps its
+        # whole slab (counted once, however many of its pieces are kept), not its own bytes
+        # (counted so, pieces of 400 MiB of slabs stayed mapped under a keep of 1 MiB).
+        self._kept_bytes = 0
+        self._kept_pieces: dict[int, int] = {}  # id(slab) -> its pieces kept
         self._slab: AlignedBuffer | None = None  # the slab pieces are being cut from
         self._slab_used = 0
         self._lock = threading.Lock()
@@ -231,8 +236,7 @@ class BufferPool:
                 buf = bucket.pop()
                 if not bucket:
                     del self._free[size], self._sizes[i]
-                self._free_count -= 1
-                self._free_bytes -= buf.nbytes
+                self._unkeep(buf)
                 self.ledger.on_grant(buf.nbytes)
                 return BufferLease(self, buf)
             if piece:
@@ -261,7 +265,7 @@ class BufferPool:
         """A lease's buffer comes back: kept for reuse (up to ``keep_bytes``) or dropped."""
         with self._lock:
             self.ledger.on_release(nbytes)
-            if self._free_bytes + buf.nbytes <= self.keep_bytes:
+            if self._kept_bytes + self._keeping(buf) <= self.keep_bytes:
                 bucket = self._free.get(buf.nbytes)
                 if bucket is None:
                     bucket = self._free[buf.nbytes] = []
@@ -269,6 +273,30 @@ class BufferPool:
                 bucket.append(buf)
                 self._free_count += 1
                 self._free_bytes += buf.nbytes
+                self._kept_bytes += self._keeping(buf)
+                if isinstance(buf, _Piece):
+                    self._kept_pieces[id(buf._slab)] = self._kept_pieces.get(id(buf._slab), 0) + 1
+
+    def _keeping(self, buf: AlignedBuffer | _Piece) -> int:
+        """The bytes keeping ``buf`` free would map on: a piece, its slab's where no other
+        piece of it is kept (none where one is); a buffer, its own (under the lock)."""
+        if isinstance(buf, _Piece):
+            return 0 if self._kept_pieces.get(id(buf._slab)) else buf._slab.nbytes
+        return buf.nbytes
+
+    def _unkeep(self, buf: AlignedBuffer | _Piece) -> None:
+        """``buf`` leaves the free buffers (taken again, or dropped; under the lock)."""
+        self._free_count -= 1
+        self._free_bytes -= buf.nbytes
+        if isinstance(buf, _Piece):
+            left = self._kept_pieces[id(buf._slab)] - 1
+            if left:
+                self._kept_pieces[id(buf._slab)] = left
+            else:
+                del self._kept_pieces[id(buf._slab)]
+                self._kept_bytes -= buf._slab.nbytes
+        else:
+            self._kept_bytes -= buf.nbytes
 
     def keep_at_most(self, nbytes: int) -> None:
         """Keep no more than ``nbytes`` for reuse from now on: free buffers past it go now
@@ -276,11 +304,10 @@ class BufferPool:
         counted)."""
         with self._lock:
             self.keep_bytes = nbytes
-            while self._sizes and self._free_bytes > nbytes:
+            while self._sizes and self._kept_bytes > nbytes:
                 size = self._sizes[-1]
                 bucket = self._free[size]
-                self._free_bytes -= bucket.pop().nbytes
-                self._free_count -= 1
+                self._unkeep(bucket.pop())
                 if not bucket:
                     del self._free[size]
                     self._sizes.pop()
@@ -294,7 +321,7 @@ class BufferPool:
         with self._lock:
             pinned = self.pin and not self.pin_refused and _cuda_present()
             return {"buffers_made": self.made, "buffers_free": self._free_count, "free_bytes": self._free_bytes,
-                    "pinned": pinned, **self.ledger.stats()}
+                    "kept_bytes": self._kept_bytes, "pinned": pinned, **self.ledger.stats()}
 
 
 # -- reads in flight -----------------------------------------------------------------------
