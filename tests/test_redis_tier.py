@@ -509,6 +509,30 @@ def test_a_save_writes_over_another_releases_frame_this_process_never_read(redis
         tier.close()
 
 
+def test_a_block_remembered_as_another_releases_is_touched_again_once_a_read_finds_this_releases(redis_url):
+    """A read that finds another release's frame remembers its block (not stored, for this
+    release: not touched). Another process's save then writes this release's frame over it:
+    the next read here hits, and touches move the block in the shared LRU again. Before, the
+    block stayed remembered: hit after hit here, its place in the LRU never moved."""
+    key, frame = _frame(63)
+    tier, other = RedisTier(redis_url, 64 << 20), RedisTier(redis_url, 64 << 20)
+    c = tier._connection()
+    member = RedisKeys.member(key)
+    try:
+        tier.put(key, frame)
+        c.set(tier.keys_of.frame(key), _version_rewritten(frame.to_bytes()))
+        assert tier.get(key) is None and tier.stats().foreign_version == 1
+        assert other.present_many([key]) == [False] and other.put(key, frame).stored is not None
+        got = tier.get(key)
+        assert got is not None and bytes(got.host) == frame.to_bytes()
+        c.zadd(tier.keys_of.lru, {member: 1}, xx=True)
+        tier.touch([key])
+        assert float(c.zscore(tier.keys_of.lru, member)) > 1
+    finally:
+        tier.close()
+        other.close()
+
+
 def test_a_value_larger_than_any_frame_is_a_corrupt_miss_never_read_whole(redis_url, caplog):
     """A value under a frame's name larger than the largest frame the reader makes (the
     cache's configuration; a server's max_frame_bytes) is damage: each read took it whole

@@ -881,6 +881,9 @@ class RedisTier(Tier):
             else:
                 self._drop_corrupt(key, len(data), data)
             return None
+        # (this release's frame now, another process's write over the one remembered: its
+        # touches go on, else its hits here left its place in the shared LRU as it was)
+        self._forget_other_version([key])
         return BlockFrame(meta, host=memoryview(data), sealed=True)
 
     def _drop_corrupt(self, key: bytes, length: int, head: bytes, *, at_least: bool = False) -> None:
