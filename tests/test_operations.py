@@ -5,6 +5,7 @@ start-up summary, ``cacheseek top`` and ``cacheseek admin``."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -1715,3 +1716,31 @@ def test_a_build_from_no_git_checkout_says_unknown_and_refs_are_read_as_git_keep
     shutil.copytree(Path(build.__file__).parent, copy / "cacheseek", ignore=shutil.ignore_patterns("__pycache__", "server"))
     done = subprocess.run([sys.executable, "-c", script, str(copy)], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip().endswith("(commit unknown)"), done.stderr
+
+
+def test_a_build_whose_git_files_are_odd_says_unknown_at_once(tmp_path):
+    """The commit is read at every start: a FIFO in HEAD's place hung the start for good, one
+    linked to /dev/zero filled its memory, and a ref named outside the repository was read.
+    Each is "unknown" (``build.commit`` catches the refusal), at once."""
+    from cacheseek import build
+
+    repo = tmp_path / "repo"
+    (repo / ".git" / "refs" / "heads").mkdir(parents=True)
+    head = repo / ".git" / "HEAD"
+    os.mkfifo(head)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="not a regular file"):
+        build._commit_of(repo)
+    assert time.monotonic() - start < 5
+    head.unlink()
+    head.symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match="not a regular file"):
+        build._commit_of(repo)
+    head.unlink()
+    (tmp_path / "outside").write_text("4" * 40 + "\n")
+    for ref in ("../../../outside", "/etc/hostname", "refs/../../../outside"):
+        head.write_text(f"ref: {ref}\n")
+        assert build._commit_of(repo) is None, ref
+    head.write_text("x" * 10_000)
+    with pytest.raises(ValueError, match="over 4096 bytes"):
+        build._commit_of(repo)
