@@ -298,7 +298,8 @@ class SchedulerSide:
                                 "goes on as a miss")
             self.guard.failure("lookup", late, lookup.ticket)
             return NO_HIT
-        if all(answer.cancel() for answer in lookup.answers if not answer.done()):
+        cancelled = [answer.cancel() for answer in lookup.answers if not answer.done()]  # (every rank's: no all())
+        if all(cancelled):
             self.guard.unsent(lookup.ticket)
         else:  # (one running, or begun since: told when it ends, a rank cancelled meanwhile no news)
             self._abandoned.append(lookup)
