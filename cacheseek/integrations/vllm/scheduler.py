@@ -31,8 +31,8 @@ objects, read through the few attributes named here.
 - A request waits for its own lookup ``lookup_deadline_seconds`` at most, from the first
   ask (time queued behind other lookups counts): a lookup still unanswered then is late,
   and the request goes on as a miss (0 tokens, ``lookups_late``). Its answer, whenever it
-  comes, is not used: the request stays a miss until admitted. A lookup that ran the whole
-  deadline on its thread is a failure to the guard, which rests the server
+  comes, is not used: the request stays a miss until admitted. A lookup that ran three
+  quarters of the deadline at least on its thread is a failure to the guard, which rests the server
   (``retry_after_seconds``, doubling), so while a server hangs or trickles each new request
   skips the lookup rather than waiting out a deadline of its own; the lookup that ends the
   rest is the guard's probe. One late for waiting for a thread rests nothing (``_late``).
@@ -280,7 +280,7 @@ class SchedulerSide:
         """A lookup past its deadline: a miss, remembered as the request's until it is
         admitted (forgotten here, its answer is never offered, so vLLM never loads a request
         it scheduled as a miss). What it tells the guard depends on why it is late. A rank's
-        lookup that has run the whole deadline on its thread is the server's slowness: a
+        lookup that has run three quarters of the deadline at least on its thread is the server's slowness: a
         failure, so the server rests and the next requests skip their lookups rather than
         each wait out its deadline. One that waited for a thread (a burst of new requests
         behind the pool's 8) says nothing of the server: queued still, it is cancelled and
@@ -289,8 +289,12 @@ class SchedulerSide:
         after were misses too.)"""
         self.stats.lookups_late += 1
         assert self.lookup_deadline is not None
-        slow_since = time.monotonic() - self.lookup_deadline
-        if any(not answer.done() and began is not None and began <= slow_since
+        assert lookup.late_at is not None
+        # Begun within the deadline's first quarter, and unanswered: the server's slowness (it
+        # has run three quarters of the deadline at least). "Run the whole deadline" missed a
+        # hung server by the few ms a pool thread takes to start.
+        began_by = lookup.late_at - self.lookup_deadline * 3 / 4  # (asked at late_at - deadline)
+        if any(not answer.done() and began is not None and began <= began_by
                for answer, began in zip(lookup.answers, lookup.started)):
             for answer in lookup.answers:
                 answer.cancel()
