@@ -99,10 +99,11 @@ for s in "$@"; do
                  cp /tmp/m64/store_mixed.json "$OUT/store_mixed_64.json" ;;
     store)       step store 240 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
     tests-gpu)   step tests-gpu 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_paged_kernels.py tests/test_paged.py tests/test_store.py tests/test_encode_decode.py tests/test_ingest_in_place.py tests/test_streams.py ;;
-    # Every test that has CUDA-only cases, without -x (all failures at once), each test bounded; not the
-    # slow model tests (the H200 machine has no network to fetch SmolLM2; CI runs them).
     # Every test file with CUDA-only cases (those CI skips on its CPU box), without -x; not the slow model tests.
-    tests-cuda)  step tests-cuda 560 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 -m "not slow" --durations=15 tests/test_device_staging.py tests/test_drain.py tests/test_ingest_in_place.py tests/test_kernel_launch.py tests/test_kernels.py tests/test_kivi_rotate.py tests/test_layerwise.py tests/test_pins.py tests/test_policy.py tests/test_remote.py tests/test_streams.py tests/test_suffix_attention.py tests/test_threads.py tests/test_vllm_pages.py tests/test_write_behind.py tests/test_paged.py tests/test_paged_kernels.py ;;
+    # Four workers, a file to each (pytest-xdist from .whl): on one process it ran past the device's
+    # 10-minute call on an H100.
+    tests-cuda)  python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl >"$OUT/whl-install.log" 2>&1
+                 step tests-cuda 560 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 -m "not slow" -n 4 --dist loadfile --durations=15 tests/test_device_staging.py tests/test_drain.py tests/test_ingest_in_place.py tests/test_kernel_launch.py tests/test_kernels.py tests/test_kivi_rotate.py tests/test_layerwise.py tests/test_pins.py tests/test_policy.py tests/test_remote.py tests/test_streams.py tests/test_suffix_attention.py tests/test_threads.py tests/test_vllm_pages.py tests/test_write_behind.py tests/test_paged.py tests/test_paged_kernels.py ;;
     # fp8 KV (Raw, bytes moved by the copy kernels) natively: pages, layer-wise, tiers.
     tests-fp8)   step tests-fp8 200 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_fp8.py tests/test_kernels.py -k "fp8 or sm90" ;;
     tests-native) step tests-native 480 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 -m "not slow" tests/test_paged_kernels.py tests/test_paged.py tests/test_paged_contract.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_streams.py tests/test_capacity.py tests/test_pins.py tests/test_vllm_pages.py tests/test_encode_decode.py tests/test_store.py tests/test_kernel_backend.py tests/test_layerwise.py tests/test_policy.py ;;
