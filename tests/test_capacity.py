@@ -3,6 +3,7 @@ and prefetch (embedded, and through a real server). Real files, real threads, re
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
 import time
@@ -168,6 +169,66 @@ def test_read_pool_failures_and_an_early_stop_give_every_buffer_back(tmp_path):
         assert stats["buffers_free"] == stats["buffers_made"]
     finally:
         pool.close()
+
+
+def _read_slowly(pool: ReadPool, buffers: BufferPool, items) -> tuple[list[bytes], list[int]]:
+    """Every read's bytes, taken by a consumer slower than the device: before each ``next``
+    it lets every read the stream has started land (the submits seen through the pool) and
+    gives back what it was handed, so the buffers lent then are the stream's in flight.
+    Returns the bytes read and those buffer bytes before each ``next``."""
+    started = []
+    real = pool.submit
+
+    def submit(*args, **kw):
+        fut = real(*args, **kw)
+        started.append(fut)
+        return fut
+
+    pool.submit = submit  # type: ignore[method-assign]
+    got, in_flight = [], []
+    with pool.read_many(items, lambda view, i: bytes(view), buffers) as reads:
+        while True:
+            concurrent.futures.wait(started)
+            in_flight.append(buffers.stats()["leased_bytes"])
+            done = next(reads, None)
+            if done is None:
+                break
+            assert not isinstance(done, ReadFailed), done
+            got.append(done.checked)
+            done.lease.release()
+    return got, in_flight
+
+
+def test_a_read_stream_keeps_no_more_bytes_in_flight_than_its_budget(tmp_path):
+    # The count alone (twice the depth) bounded a stream: a chain of 1 GiB frames held 32 GiB
+    # of buffers while its consumer worked. Here a budget of three frames, a count of eight.
+    frame = 64 << 10
+    files = _files(tmp_path, [frame] * 20)
+    buffers = BufferPool(keep_bytes=0)
+    pool = ReadPool(probe_read_path(tmp_path), depth=4, buffers=buffers, stream_bytes=3 * frame)
+    try:
+        got, in_flight = _read_slowly(pool, buffers, [(p, len(d), i) for i, (p, d) in enumerate(files)])
+    finally:
+        pool.close()
+    assert got == [d for _, d in files]
+    assert max(in_flight) == 3 * frame  # as many as fit, and no more
+    assert in_flight[-1] == 0
+
+
+def test_a_frame_larger_than_the_read_budget_still_streams_alone(tmp_path):
+    small, big = 16 << 10, 1 << 20
+    files = _files(tmp_path, [small, small, big, small, big, big, small])
+    buffers = BufferPool(keep_bytes=0)
+    pool = ReadPool(probe_read_path(tmp_path), depth=4, buffers=buffers, stream_bytes=4 * small)
+    items = [(p, len(d), i) for i, (p, d) in enumerate(files)]
+    items.append((files[0][0], None, len(items)))  # a size not known: counted as the whole budget
+    try:
+        got, in_flight = _read_slowly(pool, buffers, items)
+    finally:
+        pool.close()
+    assert got == [d for _, d in files] + [files[0][1]]
+    assert max(in_flight) == big  # each big frame read alone, none beside it
+    assert all(n <= 4 * small for n in in_flight if n != big)
 
 
 # -- the disk tier: reads ----------------------------------------------------------------------

@@ -51,6 +51,12 @@ DIRECT_ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers (a pag
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 READ_PATHS = ("o_direct", "o_direct-unenforced", "buffered")
 PROBE_NAME = ".probe-direct-io"
+# Read-buffer bytes one ``ReadStream`` keeps in flight (read or being read, not yet handed
+# out), besides its count (twice the pool's depth). A count alone let a stream of 1 GiB frames
+# hold 32 GiB while its consumer worked. 256 MiB still keeps seven of a Llama-3-8B raw block's
+# 34 MB reads in flight; a larger frame streams one at a time, read while the consumer works
+# on the one before.
+READ_STREAM_BYTES = 256 << 20
 
 log = logging.getLogger("cacheseek.store.direct_io")
 
@@ -404,16 +410,20 @@ class ReadPool:
     """Whole-file reads, ``depth`` at a time, each into an aligned buffer, each checked in
     the thread that read it. ``read_path`` is the probed path (``probe_read_path``).
     ``max_bytes``: a file larger than this is not read (``ReadFailed``, damaged) before any
-    buffer is taken: a file's size is no more to be trusted than its bytes."""
+    buffer is taken: a file's size is no more to be trusted than its bytes. ``stream_bytes``:
+    the read-buffer bytes each ``ReadStream`` keeps in flight (``READ_STREAM_BYTES``)."""
 
     def __init__(self, read_path: str, *, depth: int = 16, buffers: BufferPool | None = None,
-                 max_bytes: int | None = None) -> None:
+                 max_bytes: int | None = None, stream_bytes: int = READ_STREAM_BYTES) -> None:
         if read_path not in READ_PATHS:
             raise ValueError(f"read_path: one of {READ_PATHS}, got {read_path!r}")
         if depth < 1:
             raise ValueError(f"depth: at least 1, got {depth}")
+        if stream_bytes < 1:
+            raise ValueError(f"stream_bytes: at least 1, got {stream_bytes}")
         self.read_path = read_path
         self.depth = depth
+        self.stream_bytes = stream_bytes
         self.buffers = buffers or BufferPool()
         self.max_bytes = max_bytes
         self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="cacheseek-read")
@@ -537,7 +547,11 @@ class ReadStream:
     """Reads of many files in flight, handed out in the order given.
 
     Up to twice the pool's depth are queued at once (the device's queue stays full while
-    the consumer works on what has landed); each one handed out starts the next. Iterating
+    the consumer works on what has landed), and no more than the pool's ``stream_bytes`` of
+    buffers between them (their expected sizes, in whole pages; a file of unknown size counts
+    as all of it), save that one is always in flight: a frame larger than that still streams,
+    read while the consumer works on the one before. Each one handed out starts the next ones
+    that fit; what the consumer holds once handed out is its own to bound. Iterating
     gives each file's ``ReadDone`` (or its ``ReadFailed``) as soon as it and the ones before
     it have landed. The reads start when the stream is made, not at the first ``next``.
     ``close()`` (or the end of a ``with``) cancels what has not started and gives back the
@@ -548,22 +562,30 @@ class ReadStream:
     def __init__(self, pool: ReadPool, items: Sequence[tuple[Path, int | None, Any]],
                  check: Callable[[memoryview, Any], Any], buffers: BufferPool | None) -> None:
         self._pool, self._check, self._buffers = pool, check, buffers
-        self._todo = iter(list(items))
+        self._items = list(items)
+        self._todo = 0  # the index of the next item to submit
         self._futures: list[Future] = []
+        self._sizes: list[int] = []  # the bytes each submitted read counts against ``stream_bytes``
         self._next = 0
+        self._bytes_in_flight = 0
         self.started = time.perf_counter()
         self.last_landed = self.started
-        for _ in range(2 * pool.depth):
-            if not self._submit_one():
-                break
+        self._fill()
 
-    def _submit_one(self) -> bool:
-        item = next(self._todo, None)
-        if item is None:
-            return False
-        path, expected, context = item
-        self._futures.append(self._pool.submit(path, expected, self._check, context, self._buffers))
-        return True
+    def _fill(self) -> None:
+        """Submit the next reads while they fit: under twice the depth, and within
+        ``stream_bytes`` unless none is in flight."""
+        pool = self._pool
+        while self._todo < len(self._items):
+            path, expected, context = self._items[self._todo]
+            size = pool.stream_bytes if expected is None else round_up(max(expected, 1))
+            in_flight = len(self._futures) - self._next
+            if in_flight and (in_flight >= 2 * pool.depth or self._bytes_in_flight + size > pool.stream_bytes):
+                return
+            self._futures.append(pool.submit(path, expected, self._check, context, self._buffers))
+            self._sizes.append(size)
+            self._bytes_in_flight += size
+            self._todo += 1
 
     def __iter__(self) -> ReadStream:
         return self
@@ -582,9 +604,10 @@ class ReadStream:
         except CancelledError:  # (queued when the pool closed: its close cancels what has not begun)
             done = ReadFailed("not read, the read pool is closed", damaged=False)
         self._futures[self._next] = None  # type: ignore[call-overload]  # handed out: no longer ours
+        self._bytes_in_flight -= self._sizes[self._next]
         self._next += 1
         try:
-            self._submit_one()
+            self._fill()
         except BaseException:  # (an interrupt: the read handed out is given back, not lost)
             if isinstance(done, ReadDone) and done.lease is not None:
                 done.lease.release()
@@ -604,7 +627,9 @@ class ReadStream:
             if left.lease is not None:
                 left.lease.release()
         self._futures = self._futures[: self._next]
-        self._todo = iter(())
+        self._sizes = self._sizes[: self._next]
+        self._bytes_in_flight = 0
+        self._todo = len(self._items)
 
     def __enter__(self) -> ReadStream:
         return self
@@ -674,6 +699,6 @@ def drop_cached(path: str | os.PathLike) -> None:
 
 
 __all__ = [
-    "AlignedBuffer", "BufferLease", "BufferPool", "DIRECT_ALIGN", "READ_PATHS", "ReadDone", "ReadFailed",
-    "ReadPool", "ReadStream", "drop_cached", "probe_read_path", "round_up",
+    "AlignedBuffer", "BufferLease", "BufferPool", "DIRECT_ALIGN", "READ_PATHS", "READ_STREAM_BYTES", "ReadDone",
+    "ReadFailed", "ReadPool", "ReadStream", "drop_cached", "probe_read_path", "round_up",
 ]
