@@ -573,3 +573,117 @@ def test_a_write_through_server_whose_disk_went_read_only_is_not_ready(tmp_path)
     assert got["readyz"] == [503, {"error": f"disk tier (written through): {disk.READ_ONLY}"}], got
     assert got["metric"] == ['cacheseek_tier_read_only{tier="disk"} 1.0'] and got["stats"] == [disk.READ_ONLY]
     assert got["put_rw"] == 201 and got["readyz_after"] == 200, got
+
+
+class _SlowUnlink:
+    """``disk._unlink`` held at the first unlink of a sidecar (an eviction's, on a disk where
+    each takes tens of milliseconds) until ``go`` is set; ``released``: whether it was, within
+    a bounded wait (a tier that waits for its own unlink then goes on, and fails the test)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.reached, self.go = threading.Event(), threading.Event()
+        self.released: bool | None = None
+        self.key: bytes | None = None
+        real = disk._unlink
+
+        def unlink(path: Path) -> None:
+            if path.suffix == ".meta" and not self.reached.is_set():
+                self.key = bytes.fromhex(path.stem)
+                self.reached.set()
+                self.released = self.go.wait(10)
+            real(path)
+
+        monkeypatch.setattr(disk, "_unlink", unlink)
+
+
+def _charged_on_disk(tier: DiskTier) -> int:
+    """What the files in the tier's shards take, counted as the budget counts them."""
+    return sum(direct_io.round_up(max(p.stat().st_size, 1), tier.alloc_unit)
+               for p in tier.root.glob("[0-9a-f][0-9a-f]/*"))
+
+
+def test_an_evictions_slow_unlinks_hold_up_no_lookup_or_other_write_and_keep_the_budget(tmp_path, monkeypatch):
+    """An eviction unlinked its victims' files under the tier's lock, which a lookup takes
+    (``contains_many``, in the server's event loop): on a disk whose unlinks took 10-50 ms, a
+    batch evicting 64 blocks froze every request, ``/healthz`` included, for seconds. The
+    victims leave the index under the lock and their files go after; until they are gone
+    their bytes count as held, so a write meanwhile evicts for them rather than take their
+    room twice over."""
+    frames = [raw_frame(i) for i in range(1, 8)]
+    charge = disk.block_charge(frames[0][1].meta.nbytes, disk.allocation_unit(tmp_path))
+    tier = DiskTier(tmp_path / "d", 4 * charge, fsync=False)
+    slow = _SlowUnlink(monkeypatch)
+    try:
+        for key, frame in frames[:4]:
+            tier.put(key, frame)
+        batch: list = []
+        # (two frames: room is made for both at once, then unlinked, before either is claimed)
+        writer = threading.Thread(target=lambda: batch.extend(tier.put_many(frames[4:6])))
+        writer.start()
+        assert slow.reached.wait(10)
+        answers = tier.contains_many([key for key, _ in frames])  # the lookup answers while the unlink waits
+        tier.put(*frames[6])  # and so does another write
+        on_disk = _charged_on_disk(tier)
+        slow.go.set()
+        writer.join(30)
+        assert slow.released, "the lookup and the write waited for the eviction's unlinks"
+        assert answers[:4].count(True) == 2 and answers[4:] == [False, False, False], answers
+        assert on_disk <= tier.capacity_bytes, (on_disk, tier.capacity_bytes)  # (the victims' files still there)
+        assert [r.error for r in batch] == [None, None]
+        assert tier.contains_many([key for key, _ in frames[4:]]) == [True, True, True]
+        assert tier.stats().blocks == 4 and _charged_on_disk(tier) == tier.stats().used_bytes <= tier.capacity_bytes
+        assert not tier._removing and tier._removing_bytes == 0
+    finally:
+        slow.go.set()
+        tier.close()
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_block_put_again_while_its_eviction_unlinks_its_files_keeps_its_new_files(tmp_path, monkeypatch, batch):
+    """A block's files are named by its hash alone: written again while its eviction still
+    had its old files to unlink (outside the lock), the late unlink removed the new ones, and
+    the block was answered stored and held with nothing on disk. Its put waits for that
+    unlink, and writes after it."""
+    frames = dict(raw_frame(i) for i in range(1, 7))
+    keys = list(frames)
+    charge = disk.block_charge(frames[keys[0]].meta.nbytes, disk.allocation_unit(tmp_path))
+    tier = DiskTier(tmp_path / "d", 4 * charge, fsync=False)
+    slow = _SlowUnlink(monkeypatch)
+    waits_for_it = slow.go
+
+    class Seen(threading.Event):
+        def wait(self, timeout=None):
+            waits_for_it.set()  # (the put again waits for the unlink: let it go on)
+            return super().wait(timeout)
+
+    removal = disk._Removal
+    monkeypatch.setattr(disk, "_Removal", lambda nbytes: removal(nbytes, Seen()))
+    try:
+        for key in keys[:4]:
+            tier.put(key, frames[key])
+        evicting = threading.Thread(target=tier.put, args=(keys[4], frames[keys[4]]))
+        evicting.start()
+        assert slow.reached.wait(10)
+        victim = slow.key
+        assert victim in keys[:4] and not tier.contains(victim)
+        again = [(victim, raw_frame(keys.index(victim) + 1)[1])] + ([(keys[5], frames[keys[5]])] if batch else [])
+        answers: list = []
+
+        def put_again():
+            try:
+                answers.extend(tier.put_many(again) if batch else [tier.put(*again[0])])
+            finally:
+                waits_for_it.set()  # (done without waiting: the unlink goes on, and takes its files)
+
+        reput = threading.Thread(target=put_again)
+        reput.start()
+        reput.join(30)
+        evicting.join(30)
+        assert slow.released, "the put again waited on the tier's lock, not on the unlink"
+        assert answers and answers[0].error is None and answers[0].stored is not None, answers
+        assert tier.present_many([victim]) == [True]
+        got = tier.get(victim)
+        assert got is not None and bytes(got.to_bytes()) == bytes(frames[victim].to_bytes())
+    finally:
+        slow.go.set()
+        tier.close()

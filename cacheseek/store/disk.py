@@ -58,10 +58,17 @@ Deletes are durable when they return: the shard directory is fsynced after the u
 (once per shard for a ``batched_deletes``, a flush of many blocks); also for a block
 evicted from the shard before, which would otherwise come back as one. Evictions alone are
 not synced: a block one brings back after a power cut is whole and valid, a cached block.
+An eviction takes its victims out of the index under the tier's lock, and unlinks their
+files once it has let the lock go (``_settle_removals``): a lookup takes that lock (in a
+server's event loop), and a batch's victims unlinked under it, on a disk where an unlink
+takes tens of milliseconds, froze every request for seconds. Until a victim's files are
+gone its bytes count as held (other writers evict for them rather than take their room),
+and a put of the block waits for them: its files have the same names, and the late unlink
+would take the new ones.
 A delete that cannot remove the block's sidecar (a read-only or failing filesystem, EPERM)
 raises ``StorageError`` and keeps the block held, as it still is on disk; one whose shard
 cannot be synced after raises too (gone, not durably: the shard stays owed, and the next
-delete there, or a retry, syncs it). Evictions stay best effort, logged (``_remove_files``).
+delete there, or a retry, syncs it). Evictions stay best effort, logged (``_settle_removals``).
 
 A block is "present" (``contains``, a put that finds it) only once its sidecar is renamed
 into place: whole and committed. A put of a block whose write is in flight in another
@@ -186,6 +193,16 @@ class _InFlight:
 
 
 @dataclass(slots=True)
+class _Removal:
+    """An evicted block's files, out of the index and being unlinked outside the lock: a put
+    of the same block waits on ``done`` (else the late unlink removed its new files), and the
+    budget counts ``nbytes`` as held until they are gone."""
+
+    nbytes: int
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(slots=True)
 class _Pending:
     """One frame of a group commit, from its claim to its commit (or failure)."""
 
@@ -298,13 +315,20 @@ class DiskTier(IndexedTier):
         self._fitted_at = 0.0  # when the budget was last fitted to the filesystem
         self._lowered_said = LogThrottle(LOWERED_LOG_SECONDS)
         self._writing: dict[bytes, _InFlight] = {}
+        # Evicted blocks whose files are still being unlinked: an eviction takes a victim out
+        # of the index under the lock, and unlinks its files after letting it go
+        # (``_settle_removals``); a slow disk (10-50 ms an unlink) held every lookup behind a
+        # batch's hundreds of unlinks. ``_doomed``: this thread's, not yet unlinked.
+        self._removing: dict[bytes, _Removal] = {}
+        self._removing_bytes = 0
+        self._doomed = threading.local()
         self._reserved = 0
         self._reserved_pinned = 0  # of ``_reserved``: blocks pinned before they arrived
         self._group = {"batches": 0, "frames": 0, "dir_fsyncs": 0}
         self._trim_at_open = trim_at_open
         # Per shard directory (by the hash's first byte): its unlinks so far, and how many of
         # them a directory fsync has made durable. A delete syncs its shard before it
-        # returns (``_sync_unlinks``); evictions alone are not synced (``_remove_files``).
+        # returns (``_sync_unlinks``); evictions alone are not synced (``_settle_removals``).
         self._unlinks = [0] * 256
         self._synced = [0] * 256
         # Per shard, the keys a delete removed whose unlinks are not known durable yet (key:
@@ -382,7 +406,63 @@ class DiskTier(IndexedTier):
         return block_charge(nbytes, self.alloc_unit)
 
     def _writing_bytes(self) -> int:
-        return self._reserved  # (counted as held, as ``_make_room`` counts them)
+        # (counted as held, as ``_make_room`` counts them; so are other threads' victims whose
+        # files are not yet unlinked: they are still on the filesystem)
+        return self._reserved + self._removing_elsewhere()
+
+    def _removing_elsewhere(self) -> int:
+        """Bytes of evicted blocks whose files other threads have yet to unlink. Under the
+        lock. This thread's own victims are not counted: it unlinks them before it writes
+        (``_settle_removals``), and counted, each eviction loop would give up every block."""
+        return self._removing_bytes - getattr(self._doomed, "nbytes", 0)
+
+    def _doom(self, key: bytes, nbytes: int) -> None:
+        """Mark ``key``'s files (``nbytes`` charged) for this thread to unlink once it lets the
+        lock go (``_settle_removals``). Under the lock, with the block already out of the index
+        (or of ``_others``)."""
+        assert key not in self._removing  # (out of the index: no second eviction finds it)
+        self._removing[key] = _Removal(nbytes)
+        self._removing_bytes += nbytes
+        self._doomed.keys = [*getattr(self._doomed, "keys", ()), key]
+        self._doomed.nbytes = getattr(self._doomed, "nbytes", 0) + nbytes
+
+    def _settle_removals(self) -> None:
+        """Unlink the files of the blocks this thread evicted (``_doom``), outside the lock,
+        then let the puts waiting on them go. Not under the lock. Called wherever a call that
+        evicted lets the lock go, before it writes (its victims' room must be free first), and
+        at the end of every call (``_open_call``), so that none is left marked for good."""
+        keys = getattr(self._doomed, "keys", None)
+        if not keys:
+            return
+        done = 0
+        try:
+            for key in keys:
+                data_path, side_path = self._paths(key)
+                _unlink(side_path)  # the commit record goes first: a crash leaves an orphan, not a torn block
+                _unlink(data_path)
+                done += 1
+        finally:
+            # (an interrupt half way: the keys left stay this thread's, for ``_open_call``'s try)
+            gone, self._doomed.keys = keys[:done], keys[done:]
+            removals = []
+            with self._lock:
+                for key in gone:
+                    removal = self._removing.pop(key)
+                    self._removing_bytes -= removal.nbytes
+                    self._doomed.nbytes -= removal.nbytes
+                    self._unlinks[key[0]] += 1
+                    removals.append(removal)
+            for removal in removals:
+                removal.done.set()
+
+    def _await_removal(self, key: bytes) -> None:
+        """Wait until no eviction of ``key`` has files left to unlink. Not under the lock."""
+        while True:
+            with self._lock:
+                removal = self._removing.get(key)
+            if removal is None:
+                return
+            removal.done.wait()
 
     @contextmanager
     def _open_call(self) -> Iterator[None]:
@@ -403,10 +483,13 @@ class DiskTier(IndexedTier):
             yield
         finally:
             if counted:
-                with self._calls_lock:
-                    self._active -= 1
-                    if not self._active:
-                        self._calls.notify_all()
+                try:
+                    self._settle_removals()  # (what a call evicted is unlinked before ``close`` may return)
+                finally:
+                    with self._calls_lock:
+                        self._active -= 1
+                        if not self._active:
+                            self._calls.notify_all()
 
     def _closed_error(self) -> _Closed:
         return _Closed(f"{self.name} tier: closed ({self.root})")
@@ -574,8 +657,9 @@ class DiskTier(IndexedTier):
             self.trim()
 
     def _refit(self, *, at_start: bool = False, full: bool = False) -> None:
-        """The budget fitted to the filesystem: the bytes held (and in flight, both as charged:
-        ``charge``) plus its free space less a headroom, at most ``disk_bytes``. ``full``: a
+        """The budget fitted to the filesystem: the bytes held (and in flight, and being
+        unlinked, all as charged: ``charge``) plus its free space less a headroom, at most
+        ``disk_bytes``. ``full``: a
         write just found no room (other writers, the directories: what the headroom did not
         cover), so the budget is what is held now, and the write that goes again evicts for
         its room.
@@ -591,7 +675,8 @@ class DiskTier(IndexedTier):
         free = 0 if full else st.f_bavail * st.f_frsize
         with self._lock:
             self._fitted_at = time.monotonic()
-            held = self._index.used_bytes + self._others_bytes + (0 if at_start else self._reserved)
+            held = self._index.used_bytes + self._others_bytes + self._removing_bytes + (
+                0 if at_start else self._reserved)
             room = min(self.requested_bytes, held + int(free * (1 - FREE_SPACE_HEADROOM)))
             before = self.capacity_bytes
             if room == before or (at_start and room > before):
@@ -861,7 +946,8 @@ class DiskTier(IndexedTier):
     def _evict_one(self, evicted: list[tuple[bytes, BlockFrame | None]], spare: Container[bytes] = ()) -> bool:
         """Give up the policy's victim into ``evicted``, read first when the tier below takes
         demotions; False where only blocks ``spare`` names are left to give up. Under the
-        lock, with something evictable.
+        lock, with something evictable; the victim's files are unlinked once the lock is let
+        go (``_settle_removals``).
 
         A victim that cannot be read for want of a descriptor or memory is kept, and
         ``_Unreadable`` raised: it may be the only copy of an acknowledged block, and the
@@ -873,6 +959,8 @@ class DiskTier(IndexedTier):
         if victim is None:
             assert spare  # (called only while the index holds an evictable block, under the lock)
             return False
+        info = self._index.get(victim)
+        assert info is not None  # (the index's own victim)
         frame_v = None
         if self.demote_evicted:
             try:
@@ -887,7 +975,7 @@ class DiskTier(IndexedTier):
                 if isinstance(exc.cause, FrameVersionError):
                     self._stats.foreign_version += 1  # (another release's: evicted, not handed down)
                 elif exc.damaged:
-                    self._remove_files(victim)
+                    self._doom(victim, info.charge)
                     self._index.remove(victim)
                     self._stats.corrupt += 1
                     log.warning("%s tier: block %s, the next to evict, is damaged on disk (%s): not handed down, "
@@ -897,7 +985,7 @@ class DiskTier(IndexedTier):
                     self._stats.read_errors += 1
                     log.warning("%s tier: evicting block %s, whose read failed (%s): not handed down", self.name,
                                 victim.hex(), exc)
-        self._remove_files(victim)
+        self._doom(victim, info.charge)
         self._index.remove(victim, evicted=True)
         self._stats.evictions += 1
         evicted.append((victim, frame_v))
@@ -908,8 +996,8 @@ class DiskTier(IndexedTier):
         Under the lock. A victim kept for a shortage (``_evict_one``) refuses the write that
         needed its room: ``StorageError``, counted in ``write_errors``; so does a block of
         ``spare`` (``Spared``, not counted)."""
-        self._shed_others(self._index.used_bytes + self._reserved + n)
-        while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
+        self._shed_others(self._index.used_bytes + self._writing_bytes() + n)
+        while self._index.used_bytes + self._writing_bytes() + n > self.capacity_bytes and self._index.evictable:
             try:
                 gave_up = self._evict_one(evicted, spare)
             except _Unreadable as exc:
@@ -924,8 +1012,8 @@ class DiskTier(IndexedTier):
         may together overshoot it; the last of them to be indexed evicts the excess. A
         victim kept for a shortage ends the trim: the tier stays over its budget until the
         next write trims, rather than lose a block (the write is committed: it stands)."""
-        self._shed_others(self._index.used_bytes)
-        while self._index.used_bytes > self.capacity_bytes and self._index.evictable:
+        self._shed_others(self._index.used_bytes + self._removing_elsewhere())
+        while self._index.used_bytes + self._removing_elsewhere() > self.capacity_bytes and self._index.evictable:
             try:
                 if not self._evict_one(evicted, spare):
                     return
@@ -1026,8 +1114,9 @@ class DiskTier(IndexedTier):
         them; left out of the budget, the directory held them on top of ``disk_bytes``."""
         while self._others and need + self._others_bytes > self.capacity_bytes:
             key = next(iter(self._others))
+            charge = self._others[key]
             self._forget_other(key)
-            self._remove_files(key)
+            self._doom(key, charge)
             self._others_evicted += 1
 
     # -- writes --------------------------------------------------------------------------
@@ -1070,19 +1159,27 @@ class DiskTier(IndexedTier):
             raise self._too_large(meta.nbytes)
         data_path, side_path = self._paths(key)
         mine: _InFlight | None = None
+        removal: _Removal | None = None
+        pending: _InFlight | None = None
         try:
             # (marked inside the ``try``: an interrupt as the lock was let go left the block in
             # flight for good, its room held, and the next put of it, and close, waiting for ever)
             with self._lock:
-                if key in self._index and self._still_whole(key):
+                present = key in self._index and self._still_whole(key)
+                if present:
                     self._index.touch([key])
-                    return TierPutResult(stored=None)
-                pending = self._writing.get(key)
-                if pending is None:
+                # (its old files still being unlinked: written now, they went with them)
+                elif (removal := self._removing.get(key)) is None and (pending := self._writing.get(key)) is None:
                     self._refuse_beside_pins(key, n)
                     self._forget_other(key)  # (its files are about to be written over)
                     self._make_room(n, evicted, spare)
                     mine = self._writing[key] = self._hold_room(key, n)
+            self._settle_removals()  # (the victims' room freed before this frame takes it)
+            if present:
+                return TierPutResult(stored=None)
+            if removal is not None:
+                removal.done.wait()
+                return self._put_one(key, frame, evicted, spare)
             if pending is not None:
                 # Waited for outside the lock: that write takes the lock to commit.
                 answer = self._await(key, pending)
@@ -1111,6 +1208,7 @@ class DiskTier(IndexedTier):
                 self._writable_again()
                 self._trim(evicted, spare)
                 self._sync_counts()
+        self._settle_removals()
         if refused is not None:
             self._undo_write(key, mine, n, (side_path, data_path), refused, renamed=True)
             raise refused
@@ -1160,13 +1258,14 @@ class DiskTier(IndexedTier):
                 return evicted  # (one frame: its own claim makes the same room)
             if need > self.capacity_bytes or not self._fits_beside_pins(need):
                 return evicted
-            self._shed_others(self._index.used_bytes + self._reserved + need)
-            while self._index.used_bytes + self._reserved + need > self.capacity_bytes and self._index.evictable:
+            self._shed_others(self._index.used_bytes + self._writing_bytes() + need)
+            while self._index.used_bytes + self._writing_bytes() + need > self.capacity_bytes and self._index.evictable:
                 try:
                     if not self._evict_one(evicted, spare):
                         break  # (never, for a soft spare, while anything is evictable)
                 except _Unreadable:
                     break
+        self._settle_removals()
         return evicted
 
     def _put_group(self, items: list[tuple[bytes, BlockFrame]]) -> list[TierPutResult]:
@@ -1263,19 +1362,30 @@ class DiskTier(IndexedTier):
         sidecar = _sidecar(key, meta)
         mine: _InFlight | None = None
         try:  # (marked inside it: see ``_put_one``)
-            with self._lock:
-                if key in self._index and self._still_whole(key):
-                    self._index.touch([key])
-                    return TierPutResult(stored=None)
-                if (pending := self._writing.get(key)) is not None:
-                    return pending
-                self._refuse_beside_pins(key, n)
-                self._forget_other(key)  # (its files are about to be written over)
-                self._make_room(n, evicted)
-                if held and self._index.used_bytes + self._reserved + n > self.capacity_bytes:
-                    return None
-                mine = self._writing[key] = self._hold_room(key, n)
-            return _Pending(key, frame, segments, sidecar, data_path, side_path, mine, evicted)
+            while True:
+                answer: _Pending | _InFlight | TierPutResult | None = None
+                removal: _Removal | None = None
+                with self._lock:
+                    if key in self._index and self._still_whole(key):
+                        self._index.touch([key])
+                        answer = TierPutResult(stored=None)
+                    elif (removal := self._removing.get(key)) is not None:
+                        pass  # (see ``_put_one``)
+                    elif (pending := self._writing.get(key)) is not None:
+                        answer = pending
+                    else:
+                        self._refuse_beside_pins(key, n)
+                        self._forget_other(key)  # (its files are about to be written over)
+                        self._make_room(n, evicted)
+                        if held and self._index.used_bytes + self._writing_bytes() + n > self.capacity_bytes:
+                            answer = None
+                        else:
+                            mine = self._writing[key] = self._hold_room(key, n)
+                            answer = _Pending(key, frame, segments, sidecar, data_path, side_path, mine, evicted)
+                self._settle_removals()
+                if removal is None:
+                    return answer
+                removal.done.wait()
         except BaseException as exc:
             if mine is not None:  # (nothing written yet: no file to remove)
                 self._undo_write(key, mine, n, (), _write_error(self.name, data_path, exc))
@@ -1397,6 +1507,7 @@ class DiskTier(IndexedTier):
                 self._group["batches"] += 1
                 self._group["frames"] += committed
                 self._sync_counts()
+            self._settle_removals()
             for p in refused:
                 assert p.error is not None  # (refused: set at the commit, above)
                 self._undo_write(p.key, p.flight, p.flight.nbytes, (p.side_path, p.data_path), p.error, renamed=True)
@@ -1565,12 +1676,13 @@ class DiskTier(IndexedTier):
         failure (often a file not found) says nothing about what is there now: perhaps the
         block written again and acknowledged, which must not be removed. The same entry, on
         the other hand, means nothing of this tier touched the files meanwhile (an entry
-        leaves the index with its files, under this lock, and a block in the index is never
-        being written), so the failure is the files' own: damage, or a data file lost while
-        its sidecar stayed."""
+        leaves the index before its files go, under this lock, and no write of the block
+        begins until they are gone; a block in the index is never being written), so the
+        failure is the files' own: damage, or a data file lost while its sidecar stayed.
+        Its files are unlinked once the lock is let go (``_settle_removals``)."""
         if self._index.get(key) is not info:
             return False
-        self._remove_files(key)
+        self._doom(key, info.charge)
         self._index.remove(key)
         return True
 
@@ -1646,6 +1758,8 @@ class DiskTier(IndexedTier):
         if self._lost is not None:
             return False
         with self._open_call():
+            # (an eviction of it still unlinking: its unlinks are counted, and so synced, once done)
+            self._await_removal(key)
             with self._lock:
                 held = self._index.get(key) is not None
                 deleted = held or key in self._others  # (another release's copy of the block: it goes too)
@@ -1653,7 +1767,7 @@ class DiskTier(IndexedTier):
                     # Files first, the entry after: a delete that could not remove them
                     # raises with the block still held, as it is on disk (answered deleted,
                     # a restart brought it back: a tenant's delete undone).
-                    self._remove_files(key, strict=True)
+                    self._remove_files(key)
                     if held:
                         self._index.remove(key)
                     else:
@@ -1725,33 +1839,30 @@ class DiskTier(IndexedTier):
                                f"({'; '.join(failed[:3])}{' ...' if len(failed) > 3 else ''}): not durable, a power cut "
                                "may bring the blocks back; retry the delete")
 
-    def _remove_files(self, key: bytes, *, strict: bool = False) -> None:
-        """Under the lock. Not synced: an evicted block that comes back after a power cut is
-        a whole, valid block (recovery drops a half of one); deletes sync (``delete``).
+    def _remove_files(self, key: bytes) -> None:
+        """A delete's unlinks, under the lock (synced by ``delete``). A sidecar that cannot be
+        removed (a read-only or failing filesystem, EPERM) raises ``StorageError``, nothing
+        removed, so the caller keeps the block held: it is still whole on disk, and a restart
+        would serve it again. Once the sidecar (the commit record) is gone the block is,
+        whatever befalls its data file (an orphan a restart removes).
 
-        ``strict`` (a delete): a sidecar that cannot be removed (a read-only or failing
-        filesystem, EPERM) raises ``StorageError``, nothing removed, so the caller keeps
-        the block held: it is still whole on disk, and a restart would serve it again. Once
-        the sidecar (the commit record) is gone the block is, whatever befalls its data
-        file (an orphan a restart removes). Evictions, and the removal of a damaged block,
-        stay best effort: they must finish (a write waits on their room), and what they
-        leave is a whole block a restart takes back, or damage a read drops again."""
+        Evictions, and the removal of a damaged block, unlink outside the lock instead
+        (``_doom``, ``_settle_removals``), best effort and not synced: they must finish (a
+        write waits on their room), and what they leave is a whole block a restart takes
+        back (recovery drops a half of one), or damage a read drops again."""
         data_path, side_path = self._paths(key)
-        if strict:
-            try:
-                side_path.unlink()
-            except (FileNotFoundError, NotADirectoryError):
-                pass
-            except OSError as exc:
-                # (no path: the reason reaches clients, a tenant's too; the log names it)
-                log.warning("%s tier: cannot remove %s: %s", self.name, side_path, exc)
-                error = StorageError(f"{self.name} tier: cannot delete block {key.hex()}: removing its sidecar failed: "
-                                     f"{exc.strerror or exc}; the block is kept")
-                if exc.errno == errno.EROFS and self._read_only is None:
-                    self._went_read_only(str(error), side_path.parent)
-                raise error from None
-        else:
-            _unlink(side_path)  # the commit record goes first: a crash leaves an orphan, not a torn block
+        try:
+            side_path.unlink()
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except OSError as exc:
+            # (no path: the reason reaches clients, a tenant's too; the log names it)
+            log.warning("%s tier: cannot remove %s: %s", self.name, side_path, exc)
+            error = StorageError(f"{self.name} tier: cannot delete block {key.hex()}: removing its sidecar failed: "
+                                 f"{exc.strerror or exc}; the block is kept")
+            if exc.errno == errno.EROFS and self._read_only is None:
+                self._went_read_only(str(error), side_path.parent)
+            raise error from None
         _unlink(data_path)
         self._unlinks[key[0]] += 1
 
