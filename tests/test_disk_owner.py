@@ -711,3 +711,41 @@ def test_an_interrupt_as_a_split_batch_commits_its_first_part_leaves_nothing_in_
         tier.put_many(items)
     tier._commit_part = real
     _nothing_in_flight_and_the_tier_goes_on(tier, items[:2])
+
+
+def test_a_budget_fitted_to_the_filesystem_again_and_again_keeps_its_headroom_free(tmp_path, monkeypatch):
+    """A budget below ``disk_bytes`` is fitted to the filesystem again every second, as what
+    the tier holds plus 95% of the free space: the free space then was the headroom the last
+    fit left, so each fit handed 95% of it to the tier, and within seconds of writes the
+    filesystem was full (other writers, and the server's owners and pins files beside the
+    tier, failed with ENOSPC). The headroom is 5% of what the tier holds plus the free space,
+    which the tier's own writes and evictions leave alone: every fit finds the same budget."""
+    from types import SimpleNamespace
+
+    from cacheseek.store import disk as disk_module
+    from cacheseek.store.direct_io import round_up
+    from store_helpers import raw_frame
+
+    unit, size = 4096, 4 << 20
+    root = tmp_path / "d"
+
+    def free() -> int:  # a filesystem of ``size`` bytes holding the directory's files and nothing else
+        return size - sum(round_up(max(p.stat().st_size, 1), unit) for p in root.rglob("*") if p.is_file())
+
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=free() // unit, f_frsize=unit,
+                                                                    f_bsize=unit, f_blocks=size // unit))
+    monkeypatch.setattr(disk_module, "REFIT_SECONDS", 0.0)
+    tier = DiskTier(root, 1 << 40, fsync=False)
+    try:
+        budget = tier.capacity_bytes
+        headroom = free() - budget  # (the lock file aside, nothing is held yet)
+        assert headroom >= 0.05 * (size - unit) - 1, (budget, headroom)
+        budgets, lowest = set(), size
+        for i in range(3 * size // tier.charge(raw_frame(0)[1].meta.nbytes)):  # the filesystem filled thrice over
+            tier.put(*raw_frame(i))
+            budgets.add(tier.capacity_bytes)
+            lowest = min(lowest, free())
+        assert budgets == {budget}, sorted(budgets)
+        assert lowest >= headroom and tier.stats().evictions > 0, (lowest, headroom)
+    finally:
+        tier.close()

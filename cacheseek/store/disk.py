@@ -79,8 +79,9 @@ One process owns a directory: the tier holds an exclusive ``flock`` on ``<root>/
 (with the owner's pid in it) from open to close, so a second server or embedded cache on
 the same directory fails at start instead of budgeting the same bytes twice and missing
 the other's blocks. The budget is checked against the filesystem at start: one larger
-than the free space (plus what the tier already holds) is clamped to it, with a warning
-naming ``disk_bytes``, so the tier evicts rather than failing writes with ENOSPC. What
+than the free space plus what the tier already holds, less a headroom of 5% of the two
+(``FREE_SPACE_HEADROOM``), is clamped to that, with a warning naming ``disk_bytes``, so
+the tier evicts rather than failing writes with ENOSPC. What
 the headroom does not cover (the directories, other writers) a write finds out: on ENOSPC
 the budget comes down to what is held and the write goes again, evicting; a budget below
 ``disk_bytes`` is fitted to the filesystem again every ``REFIT_SECONDS``.
@@ -139,8 +140,13 @@ LOGGED_AT_START = 32  # blocks named one by one among those recovery drops (then
 RECOVERY_PROGRESS_SECONDS = 5.0
 WRITE_DEPTH = 8  # files written (and fsynced) at once by a group commit
 STREAM_KEEP_BYTES = 1 << 30  # read buffers kept for reuse by streams
-# Of the free space, the part left for the shard directories and other writers when a
-# budget is clamped to it.
+# Of the space the tier may use (what it holds plus the filesystem's free space), the part
+# left free, for the shard directories, the server's state files beside them (owners, pins)
+# and other writers, when a budget is clamped to it. A share of that sum, not of the free
+# space alone: the tier's own writes and evictions move bytes between the two and leave the
+# sum alone, so fitting again every ``REFIT_SECONDS`` finds the same budget. A share of the
+# free space handed 95% of what the last fit left free to the tier at every fit, and filled
+# the filesystem within seconds.
 FREE_SPACE_HEADROOM = 0.05
 # A block is charged what its two files take: each rounded up to the filesystem's allocation
 # unit (statvfs's ``f_frsize``), taken where it is a power of two in this range, else 4 KiB
@@ -658,8 +664,8 @@ class DiskTier(IndexedTier):
 
     def _refit(self, *, at_start: bool = False, full: bool = False) -> None:
         """The budget fitted to the filesystem: the bytes held (and in flight, and being
-        unlinked, all as charged: ``charge``) plus its free space less a headroom, at most
-        ``disk_bytes``. ``full``: a
+        unlinked, all as charged: ``charge``) plus its free space, less a headroom of
+        ``FREE_SPACE_HEADROOM`` of that sum, at most ``disk_bytes``. ``full``: a
         write just found no room (other writers, the directories: what the headroom did not
         cover), so the budget is what is held now, and the write that goes again evicts for
         its room.
@@ -677,7 +683,8 @@ class DiskTier(IndexedTier):
             self._fitted_at = time.monotonic()
             held = self._index.used_bytes + self._others_bytes + self._removing_bytes + (
                 0 if at_start else self._reserved)
-            room = min(self.requested_bytes, held + int(free * (1 - FREE_SPACE_HEADROOM)))
+            headroom = 0 if full else int((held + free) * FREE_SPACE_HEADROOM)
+            room = min(self.requested_bytes, held + free - headroom)
             before = self.capacity_bytes
             if room == before or (at_start and room > before):
                 return
@@ -686,9 +693,10 @@ class DiskTier(IndexedTier):
             self._index.resize(room)
         if at_start:
             log.warning("disk_bytes: %s asked for the %s tier at %s, but its filesystem has %s free (%s already "
-                        "stored here), less a headroom of %d%% of the free space kept for other writers: the budget "
-                        "is clamped to %s", format_size(before), self.name, self.root, format_size(free),
-                        format_size(held), round(FREE_SPACE_HEADROOM * 100), format_size(room))
+                        "stored here), less a headroom of %d%% of the two (%s) kept free for the server's state "
+                        "files and other writers: the budget is clamped to %s", format_size(before), self.name,
+                        self.root, format_size(free), format_size(held), round(FREE_SPACE_HEADROOM * 100),
+                        format_size(headroom), format_size(room))
         elif full:
             log.warning("%s tier at %s: the filesystem is full (%s held here, %s free): the budget is lowered "
                         "from %s to %s; disk_bytes asked for %s", self.name, self.root, format_size(held),
