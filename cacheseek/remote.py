@@ -711,7 +711,10 @@ class RemoteCache(PrefixCacheBase):
         # Everything is fetched before any page is written: an outage (or a bad chain) in any
         # request leaves the pages as they were.
         try:
-            asked = [r for r, n in enumerate(limits) if n]
+            # A request with no block to load is a query still (an empty chain, as
+            # ``locate_batch`` sends it), unless a ``locate`` counted it: left out, a worker's
+            # hit rate counted only its prompts of a block or more.
+            asked = [r for r, n in enumerate(limits) if n or not located]
             answers: list[dict[str, Any] | None] = [None] * len(asked)
             # The query's length, its partial last block included (as ``materialize`` says it),
             # cut to ``max_tokens``: the hit rate's denominator. Whole blocks only, a paged
@@ -951,8 +954,10 @@ class RemoteCache(PrefixCacheBase):
         if max_tokens is not None:
             tokens = min(tokens, max_tokens)
         try:
-            found: dict[str, Any] = self._lookup(hashes, tokens=tokens, again=located) if hashes else \
-                {"matched": 0, "tiers": []}
+            # A prompt under one block (or cut below one) is asked too, as ``locate`` asks it:
+            # the server's hit rate counts a query only from its lookup. Located, it was counted.
+            found: dict[str, Any] = self._lookup(hashes, tokens=tokens, again=located) if hashes or not located \
+                else {"matched": 0, "tiers": []}
             frames = self._fetch_chain(hashes[: found["matched"]]) if found["matched"] else []
         except RemoteUnavailable:
             if self.on_unavailable == "raise":

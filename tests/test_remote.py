@@ -1273,6 +1273,53 @@ def test_a_request_located_then_loaded_counts_once_and_a_paged_load_its_whole_qu
                                    "lookup_tokens_matched": 4 * BLOCK}
 
 
+def test_a_load_of_a_prompt_under_one_block_counts_its_query_as_locate_does(srv):
+    """A prompt shorter than one block (or cut below one by ``max_tokens``) has no hash to
+    look up: ``materialize`` and the paged loads sent no lookup for it, so the server never
+    counted the query, while ``locate`` of the same prompt counted a lookup with no hit and
+    its tokens. A worker loading without ``locate`` read a hit rate over its long prompts
+    only (1.0 where ``locate`` read 0.76). Every load not ``located`` is one query now."""
+    from paged_helpers import engine_pages
+
+    def traffic() -> dict[str, int]:
+        stats = httpx.get(srv.url + "/v1/stats", headers={"authorization": "Bearer r"}).json()
+        mine = next((o for o in stats["traffic"]["by_owner"] if o["namespace"] == "short"), {})
+        return {k: mine.get(k, 0) for k in ("lookups", "lookup_hits", "lookup_tokens_requested",
+                                            "lookup_tokens_matched")}
+
+    def counted(call) -> dict[str, int]:
+        before = traffic()
+        call()
+        after = traffic()
+        return {k: after[k] - before[k] for k in after}
+
+    short, long = tokens_for(48, BLOCK - 12), tokens_for(49, 2 * BLOCK)
+    pages, _ = engine_pages("flash", LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, 24, 16,
+                            LAYOUT.torch_dtype)
+    ids = list(range(10))
+    miss = {"lookups": 1, "lookup_hits": 0, "lookup_tokens_requested": BLOCK - 12, "lookup_tokens_matched": 0}
+    cut = {**miss, "lookup_tokens_requested": BLOCK - 1}
+    with _remote(srv, cs.Raw(), namespace="short") as cache:
+        assert cache.ingest(long, make_kv(2 * BLOCK, 49)).stored == 2
+        assert counted(lambda: cache.locate(short)) == miss
+        assert counted(lambda: cache.materialize(short)) == miss
+        assert counted(lambda: cache.materialize(short, layerwise=True).close()) == miss
+        assert counted(lambda: cache.materialize_into(short, pages.at(ids))) == miss
+        assert counted(lambda: cache.materialize_into_batch([cs.PagedRequest(short, ids)], pages)) == miss
+        assert counted(lambda: cache.materialize(long, max_tokens=BLOCK - 1)) == cut
+        assert counted(lambda: cache.materialize_into(long, pages.at(ids), max_tokens=BLOCK - 1)) == cut
+        # beside a request with blocks: each its own query, in the same lookup
+        both = [cs.PagedRequest(long, ids[:4]), cs.PagedRequest(short, ids[4:])]
+        assert [r.num_tokens for r in cache.materialize_into_batch(both, pages)] == [2 * BLOCK, 0]
+        assert counted(lambda: cache.materialize_into_batch(both, pages)) == {
+            "lookups": 2, "lookup_hits": 1, "lookup_tokens_requested": 3 * BLOCK - 12,
+            "lookup_tokens_matched": 2 * BLOCK}
+        # located: counted by its locate already, and nothing to ask
+        assert counted(lambda: cache.materialize(short, located=True)) == dict.fromkeys(miss, 0)
+        assert counted(lambda: cache.materialize_into_batch([cs.PagedRequest(short, ids)], pages,
+                                                            located=True)) == dict.fromkeys(miss, 0)
+
+
 def test_a_frame_of_another_configuration_under_the_caches_key_is_counted_and_said(srv, caplog):
     """A frame the server sends for a block that fails its check (a writer of other settings
     under the same keys; here a Raw frame under a KIVI cache's first key) ended the prefix
