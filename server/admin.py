@@ -252,9 +252,9 @@ class AdminOps:
             return self._pin(namespace, h, key, ttl_seconds, expires_at)
 
     def _pin(self, namespace: str, h: bytes, key: bytes, ttl_seconds: float | None,
-             expires_at: float | None) -> dict[str, Any]:
+             expires_at: float | None, pinned_at: float | None = None) -> dict[str, Any]:
         try:
-            pin = self.store.pin(key, ttl_seconds=ttl_seconds, expires_at=expires_at)
+            pin = self.store.pin(key, ttl_seconds=ttl_seconds, expires_at=expires_at, pinned_at=pinned_at)
         except TierUnavailable as exc:
             # Not a 404 ("not stored") nor a 507 (a full store): an outage, nothing pinned.
             raise TierUnreachable(f"the chain ending at {to_hex(h)}: a tier that may hold it or must keep its pin "
@@ -276,8 +276,9 @@ class AdminOps:
                 waiting = self._unrestored.pop(key, None)
                 if waiting is not None:  # (not made again yet: it no longer will be)
                     saved = self._save()
-                    return {"namespace": namespace, "hash": to_hex(h), "blocks": 0, "pinned_at": None,
-                            "expires_at": waiting["expires_at"], "stored_blocks": 0, "bytes": 0, "saved": saved}
+                    return {"namespace": namespace, "hash": to_hex(h), "blocks": 0,
+                            "pinned_at": waiting["pinned_at"], "expires_at": waiting["expires_at"],
+                            "stored_blocks": 0, "bytes": 0, "saved": saved}
                 raise NotFound(f"no pin on {to_hex(h)}")
             # Described before its name is forgotten: the answer names the chain it unpinned.
             described = self._describe(key, pin)
@@ -295,7 +296,7 @@ class AdminOps:
                 out.append(desc)
         with self._lock:
             waiting = [entry for key, entry in self._unrestored.items() if key not in self._pins]
-        out += [{**entry, "blocks": 0, "pinned_at": None, "stored_blocks": 0, "bytes": 0, "waiting": True}
+        out += [{**entry, "blocks": 0, "stored_blocks": 0, "bytes": 0, "waiting": True}
                 for entry in waiting
                 if namespace is None or entry["namespace"] == namespace]
         return out
@@ -340,8 +341,16 @@ class AdminOps:
                                         or not math.isfinite(expires) or expires <= now):
                 expired += isinstance(expires, (int, float)) and not isinstance(expires, bool)
                 continue
+            # When it was first pinned, kept across restarts ("since" of ``admin pins``); a file
+            # of an older release has none, and one that is no time (or later than now: the
+            # clock was set back) is unknown: the pin counts from now, as it always did.
+            since = entry.get("pinned_at")
+            if isinstance(since, bool) or not isinstance(since, (int, float)) or not math.isfinite(since) \
+                    or since > now:
+                since = None
             # Every entry waits until made: a save while the first are made keeps the rest.
-            self._unrestored[key] = {"namespace": namespace, "hash": to_hex(h), "expires_at": expires}
+            self._unrestored[key] = {"namespace": namespace, "hash": to_hex(h), "pinned_at": since,
+                                     "expires_at": expires}
         self._chains_gone = 0
         made, _ = self._pin_unrestored(at_start=True)
         # Said once, counted: the pins a start drops (expired while the server was down, or
@@ -366,13 +375,14 @@ class AdminOps:
         made = 0
         for key, entry in todo:
             namespace, h, expires = entry["namespace"], bytes.fromhex(entry["hash"]), entry["expires_at"]
+            since = entry["pinned_at"]
             with self._lock:
                 if self._unrestored.get(key) is not entry:
                     continue  # pinned or unpinned by an admin meanwhile: theirs stands
                 why: BaseException | None = None
                 try:
                     if expires is None or expires > time.time():
-                        self._pin(namespace, h, key, None, expires)
+                        self._pin(namespace, h, key, None, expires, since)
                         made += 1
                         continue
                 except NotFound:
@@ -418,7 +428,7 @@ class AdminOps:
         for key, named in self._pins.items():
             pin = self.store.pin_table.get(key)
             if pin is not None:
-                entries.append({**named, "expires_at": pin.expires_at})
+                entries.append({**named, "pinned_at": pin.pinned_at, "expires_at": pin.expires_at})
         entries += [entry for key, entry in self._unrestored.items() if key not in self._pins]
         if lost := self.store.lost_tiers():  # (the directory there now is not this server's to write in)
             log.warning("pins not saved to %s: %s (a restart keeps only those of the last save)", self._path,

@@ -749,6 +749,55 @@ def test_a_start_says_how_many_pins_it_dropped_and_why(tmp_path):
         assert [p["hash"] for p in c.get("/v1/admin/pins", headers=admin()).json()] == [kept[-1][0].hex()]
 
 
+def test_a_pins_since_survives_a_restart_and_an_older_pins_file_still_loads(tmp_path):
+    """The pins file kept no start time: every pin made again at start read as pinned at the
+    restart (``since`` in ``cacheseek admin pins``), while its expiry was kept, so a pin made
+    for an hour showed less than an hour between the two. The start time is kept now; a file
+    without it (an older release's), or with one that is no time, loads as before: from now."""
+    from server_helpers import free_port
+
+    timed, forever = raw_chain(66, 3), raw_chain(67, 2)
+    ns = admin() | {"X-CacheSeek-Namespace": "a"}
+
+    def pins(c: httpx.Client) -> dict[str, tuple]:
+        return {p["hash"]: (p["pinned_at"], p["expires_at"], p["waiting"])
+                for p in c.get("/v1/admin/pins", headers=admin()).json()}
+
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+        for chain, body in ((timed, {"ttl_seconds": 3600}), (forever, None)):
+            post_chain(c, chain, **writer("a"))
+            assert c.put(f"/v1/admin/pins/{chain[-1][0].hex()}", json=body, headers=ns).status_code == 200
+        before = pins(c)
+    first = before[timed[-1][0].hex()][0]
+    assert before[timed[-1][0].hex()][1] == first + 3600
+    for _ in range(2):  # (made again, its time is saved again at the next save)
+        with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, \
+                httpx.Client(base_url=s.url) as c:
+            assert pins(c) == before
+            # a save at this start's first change keeps both times
+            other = raw_chain(68, 1)
+            post_chain(c, other, **writer("a"))
+            assert c.put(f"/v1/admin/pins/{other[-1][0].hex()}", headers=ns).status_code == 200
+            assert c.delete(f"/v1/admin/pins/{other[-1][0].hex()}", headers=ns).status_code == 200
+    # Waiting for a Redis it cannot reach, a pin lists its time, and keeps it in the file.
+    env = {"CACHESEEK_REDIS_CONNECT_TIMEOUT_SECONDS": "0.2", "CACHESEEK_REDIS_SOCKET_TIMEOUT_SECONDS": "0.2"}
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE, "--redis-url",
+                f"redis://127.0.0.1:{free_port()}", env=env) as s, httpx.Client(base_url=s.url) as c:
+        assert pins(c) == {h: (since, expires, True) for h, (since, expires, _) in before.items()}
+    path = next(tmp_path.rglob(".cacheseek-pins.json"))
+    saved = json.loads(path.read_text())
+    assert {e["hash"]: e["pinned_at"] for e in saved["pins"]} == {h: v[0] for h, v in before.items()}
+    # An older release's file (no pinned_at), or one whose time is none: pinned from the start.
+    saved["pins"] = [{k: v for k, v in e.items() if k != "pinned_at"} if e["hash"] == timed[-1][0].hex()
+                     else {**e, "pinned_at": "yesterday"} for e in saved["pins"]]
+    path.write_text(json.dumps(saved))
+    started = time.time()
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+        after = pins(c)
+    assert set(after) == set(before)
+    assert all(since >= started and expires == before[h][1] for h, (since, expires, _) in after.items()), after
+
+
 def test_a_restart_with_a_smaller_disk_budget_keeps_the_pinned_chains(tmp_path):
     """The disk tier trimmed a directory fuller than a new ``disk_bytes`` when it opened, before
     the pins file's pins were made again: a pinned chain, the oldest, was evicted first and

@@ -990,3 +990,16 @@ def test_a_pin_takes_one_expiry_and_a_finite_one():
     assert table.pins() == []
     pin, newly = table.add([b"k" * 16], expires_at=150)
     assert pin.expires_at == 150 and newly == [b"k" * 16] and table.next_expiry == 150
+
+
+def test_a_pin_made_again_keeps_the_time_it_was_made_and_refuses_one_that_is_no_time():
+    """A pin made again from a server's pins file takes the time it was first made
+    (``pinned_at``); without one it was stamped now, and every restart reset it."""
+    table = PinTable(lambda: 100.0)
+    for bad in (float("nan"), float("inf"), True, "yesterday"):
+        with pytest.raises(InputError, match="^pinned_at: must be a time in seconds since the epoch"):
+            table.add([b"k" * 16], pinned_at=bad)
+    assert table.pins() == []
+    assert table.add([b"k" * 16], expires_at=150, pinned_at=40.0)[0].pinned_at == 40.0
+    assert table.add([b"j" * 16])[0].pinned_at == 100.0
+    assert table.add([b"k" * 16])[0].pinned_at == 100.0  # pinned again by an operator: since now

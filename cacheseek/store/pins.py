@@ -40,10 +40,11 @@ class PinTable:
         self.next_expiry: float | None = None
 
     def add(self, keys: Sequence[bytes], *, ttl_seconds: float | None = None,
-            expires_at: float | None = None) -> tuple[Pin, list[bytes]]:
+            expires_at: float | None = None, pinned_at: float | None = None) -> tuple[Pin, list[bytes]]:
         """Pin the chain ``keys`` (head first) for ``ttl_seconds`` (None: until unpinned), or
-        until ``expires_at``. Pinning a chain again replaces its expiry. Returns the pin and
-        the keys it newly pins."""
+        until ``expires_at``. Pinning a chain again replaces its expiry and its ``pinned_at``.
+        ``pinned_at``: when it was pinned, where that was before now (a pin made again from a
+        server's pins file at start); None: now. Returns the pin and the keys it newly pins."""
         if not keys:
             raise InputError("pin: an empty chain")
         if ttl_seconds is not None and (isinstance(ttl_seconds, bool) or not math.isfinite(ttl_seconds)
@@ -55,16 +56,20 @@ class PinTable:
             # (a NaN expiry never came due, and made next_expiry depend on the pins' order)
             if isinstance(expires_at, bool) or not isinstance(expires_at, (int, float)) or not math.isfinite(expires_at):
                 raise InputError(f"expires_at: must be a time in seconds since the epoch, got {expires_at!r}")
+        if pinned_at is not None and (isinstance(pinned_at, bool) or not isinstance(pinned_at, (int, float))
+                                      or not math.isfinite(pinned_at)):
+            raise InputError(f"pinned_at: must be a time in seconds since the epoch, got {pinned_at!r}")
         now = self.clock()
         if expires_at is None and ttl_seconds is not None:
             expires_at = now + ttl_seconds
         with self._lock:
             old = self._pins.get(keys[-1])
+            since = now if pinned_at is None else pinned_at
             if old is not None:  # pinned again: a new expiry, the same blocks
-                pin = Pin(old.key, old.keys, now, expires_at)
+                pin = Pin(old.key, old.keys, since, expires_at)
                 newly = []
             else:
-                pin = Pin(keys[-1], tuple(keys), now, expires_at)
+                pin = Pin(keys[-1], tuple(keys), since, expires_at)
                 newly = self._cover(pin.keys, +1)
             self._pins[pin.key] = pin
             self._next()

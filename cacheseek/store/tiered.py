@@ -1201,10 +1201,12 @@ class TieredStore:
 
     # -- pins ------------------------------------------------------------------------------
 
-    def pin(self, key: bytes, *, ttl_seconds: float | None = None, expires_at: float | None = None) -> Pin | None:
+    def pin(self, key: bytes, *, ttl_seconds: float | None = None, expires_at: float | None = None,
+            pinned_at: float | None = None) -> Pin | None:
         """Keep the chain ending at ``key`` out of eviction in every tier (those holding it
         now, and any it reaches later) for ``ttl_seconds`` (None: until :meth:`unpin`), or
-        until ``expires_at`` (seconds since the epoch). None if the chain is not complete.
+        until ``expires_at`` (seconds since the epoch); ``pinned_at``: ``PinTable.add``'s.
+        None if the chain is not complete.
         Raises ``TierUnavailable`` when a tier that may hold a link of it (or that must take
         the pin: Redis) could not be asked; then nothing is pinned anywhere."""
         # Strict: a link only Redis holds, asked while Redis is down, is not a chain "not
@@ -1213,7 +1215,8 @@ class TieredStore:
         if keys is None:
             return None
         with self._pin_lock:
-            pin, newly = self.pin_table.add(keys, ttl_seconds=ttl_seconds, expires_at=expires_at)
+            pin, newly = self.pin_table.add(keys, ttl_seconds=ttl_seconds, expires_at=expires_at,
+                                            pinned_at=pinned_at)
             tried: list[Tier] = []
             try:
                 for tier in self.tiers if newly else ():

@@ -159,7 +159,8 @@ async def pins(ops: Admin) -> list[dict]:
                                             "(Redis) could not be reached: nothing pinned; retry", **ERROR}})
 async def pin(ops: Admin, hash: Hash, request: Request, namespace: NamespaceHeader = None) -> dict:
     """Never evict the chain ending at ``hash`` (every block of it, in every tier), until
-    unpinned or for ``ttl_seconds``. Pinning a pinned chain again sets its new expiry."""
+    unpinned or for ``ttl_seconds``. Pinning a pinned chain again sets its new expiry, and
+    its ``pinned_at`` to now."""
     body = _pin_request(await small_body(request, PIN_BODY_BYTES, "a pin's body"),
                         request.headers.get("content-type"))
     ttl = body.ttl_seconds if body is not None else None
