@@ -76,6 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
     from pydantic import ValidationError
 
+    from cacheseek.descriptors import raise_soft_limit
     from cacheseek.errors import ConfigError, StorageError
     from cacheseek.host_memory import cpu_budget_problem
 
@@ -84,7 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .namespaces import check_key_file
     from .protocol import ConnectionLimits, fast_path_problem, plain_protocol_class, protocol_class
     from .store import build_store
-    from .summary import settings_lines
+    from .summary import descriptor_lines, settings_lines
 
     interrupts = args.interrupts
     interrupts.check()
@@ -109,6 +110,11 @@ def _serve(args: argparse.Namespace) -> int:
         return _bad_setting(f"bad settings:\n{settings}")
     print("\n".join(settings_lines(settings)), flush=True)
     _log_to_stderr(logging.getLogger("cacheseek"), settings.log_level)
+    # Before the port and the store are opened: each connection and disk read holds one.
+    said, low = descriptor_lines(settings, raise_soft_limit())
+    print(said, flush=True)
+    if low is not None:
+        print(f"cacheseek serve: WARNING: {low}", file=sys.stderr, flush=True)
     if settings.tls_cert is not None:
         problem = _tls_problem(settings.tls_cert, settings.tls_key)
         if problem:

@@ -7,6 +7,7 @@ from typing import Any
 
 from cacheseek import __version__
 from cacheseek.build import describe
+from cacheseek.descriptors import MIN_DESCRIPTORS, OWN_DESCRIPTORS, Limit, needed
 
 from .config import ServerSettings
 
@@ -148,3 +149,24 @@ def over_budget_lines(stats: dict[str, Any], recovery: dict[str, Any]) -> list[s
                        f"its {tier['evictions']:,} least recently used blocks were evicted at start, for every "
                        "server sharing it (the smallest redis_bytes in use wins)")
     return out
+
+
+def descriptor_lines(settings: ServerSettings, limit: Limit | None) -> tuple[str, str | None]:
+    """The file descriptors the server may hold, as the start left them (``limit``: after
+    ``descriptors.raise_soft_limit``), and a warning where that is fewer than it should have
+    (``descriptors.needed``): each connection holds one, and once they run out new ones are
+    closed unanswered."""
+    if limit is None:
+        return "cacheseek serve: file descriptors: no limit to read on this system", None
+    hard = f"hard limit {limit.hard:,}" if limit.hard is not None else "no hard limit"
+    raised = f"soft limit raised from {limit.was:,}, {hard}" if limit.raised else hard
+    line = f"cacheseek serve: file descriptors: up to {limit.soft:,} (RLIMIT_NOFILE; {raised})"
+    need = needed(settings.disk_read_depth if settings.disk_bytes > 0 else 0)
+    if limit.soft >= need:
+        return line, None
+    return line, (f"file descriptors: the process may hold only {limit.soft:,} (RLIMIT_NOFILE, {hard}), fewer than "
+                  f"the {need:,} a server should have (at least {MIN_DESCRIPTORS:,}; about {OWN_DESCRIPTORS} of its "
+                  "own and one per disk read in flight, the rest for connections): each client connection holds one, "
+                  "and once they run out new connections are closed unanswered and disk writes fail. Raise the hard "
+                  "limit: systemd LimitNOFILE=, docker run --ulimit nofile=N:N, ulimit -Hn (docs/operations.md, "
+                  "File descriptors)")

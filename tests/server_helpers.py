@@ -42,10 +42,12 @@ class Server:
 
     def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None, disk: bool = True,
                  cpu_bytes: str = "64MiB", verify: ssl.SSLContext | bool = True,
-                 max_file_bytes: int | None = None) -> None:
+                 max_file_bytes: int | None = None, nofile: tuple[int, int] | None = None) -> None:
         self.root = Path(root)
         # RLIMIT_FSIZE on the server: a file write past it fails (EFBIG), as on a full disk
         self.max_file_bytes = max_file_bytes
+        # RLIMIT_NOFILE (soft, hard) the server starts under, as a shell's ulimit -n would leave it
+        self.nofile = nofile
         self.disk_path = self.root / "disk"
         self.port = free_port()
         self.verify = verify  # for https: the CA bundle that signed the server's certificate
@@ -78,6 +80,10 @@ class Server:
         raise RuntimeError(f"cacheseek serve not ready after {timeout}s:\n{self.output()}")
 
     def _limits(self) -> None:
+        if self.nofile is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, self.nofile)
         if self.max_file_bytes is not None:
             import resource
             import signal
