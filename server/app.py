@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
-from cacheseek import __version__
+from cacheseek import __version__, descriptors
 from cacheseek.store.tiered import TieredStore
 
 from . import errors, openapi
@@ -234,6 +234,36 @@ class CutAtShutdown:
             cut(abort=True)
 
 
+DESCRIPTOR_CHECK_SECONDS = 1.0
+
+
+def _accept_shortage_said(previous: Callable[..., Any] | None) -> Callable[[Any, dict[str, Any]], None]:
+    """An event loop exception handler that takes the asyncio loop's report of an accept
+    failed for want of a descriptor ("socket.accept() out of system resource", each retry,
+    a second apart, with its traceback) as ``descriptors.EXHAUSTION``'s, which counts it and
+    names the limit; any other report goes to ``previous`` (or the loop's default)."""
+
+    def handle(loop: Any, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        shortage = isinstance(exc, OSError) and exc.errno in descriptors.EXHAUSTED
+        if shortage and "accept" in str(context.get("message", "")):
+            descriptors.EXHAUSTION.note("accept", exc)
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    return handle
+
+
+async def _check_descriptors() -> None:
+    """Whether a descriptor can be had, once a second: under uvloop (the default loop), libuv
+    closes a connection it cannot take for want of one and reports it nowhere."""
+    while True:
+        await asyncio.sleep(DESCRIPTOR_CHECK_SECONDS)
+        descriptors.EXHAUSTION.check()
+
+
 def create_app(settings: ServerSettings | None = None, *, store: TieredStore | None = None,
                opened_seconds: float | None = None, announce: Callable[[str], None] | None = None) -> FastAPI:
     """The service over ``store`` (kept open: the caller owns it), or over a store built from
@@ -272,14 +302,21 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
                 if isinstance(tier, RedisTier):
                     for line in await run_in_threadpool(tier.sizing_problems) or ():
                         log.warning("redis tier: %s", line)
-        metrics.watch(lambda: {**service.stats(), "recovery": recovery, "lookup_latency": metrics.lookup_latency()})
+        metrics.watch(lambda: {**service.stats(), "recovery": recovery, "lookup_latency": metrics.lookup_latency(),
+                               "descriptors": descriptors.figures()})
         app.state.service = service
         app.state.closing = False
         if announce is not None:
             announce("\n".join(store_lines(settings, first, recovery)))
+        loop = asyncio.get_running_loop()
+        handler = loop.get_exception_handler()
+        loop.set_exception_handler(_accept_shortage_said(handler))
+        checking = asyncio.create_task(_check_descriptors())
         try:
             yield
         finally:
+            checking.cancel()
+            loop.set_exception_handler(handler)
             # uvicorn has stopped accepting and let in-flight requests finish (SIGTERM).
             app.state.closing = True
             await run_in_threadpool(app.state.admin.close)

@@ -516,6 +516,23 @@ class _Collector(Collector):
         yield from self._requests(m)
         yield from self._traffic(m)
         yield from self._store(figures)
+        yield from self._descriptors(figures.get("descriptors"))
+
+    def _descriptors(self, figures: dict[str, Any] | None) -> Iterator[Any]:
+        if figures is None:  # (before the app's start)
+            return
+        for name, key, help_ in (
+                ("cacheseek_fds_open", "open", "File descriptors the process holds (each connection holds one)"),
+                ("cacheseek_fds_limit", "limit", "File descriptors the process may hold (RLIMIT_NOFILE soft limit, "
+                                                 "raised to the hard one at start)")):
+            if figures.get(key) is not None:
+                yield GaugeMetricFamily(name, help_, value=float(figures[key]))
+        exhausted = CounterMetricFamily("cacheseek_fds_exhausted", "Times the process found no file descriptor "
+                                        "free (EMFILE, ENFILE), by where: accept, the once-a-second check, a disk "
+                                        "read or write", labels=["place"])
+        for place, n in figures["exhausted"].items():
+            exhausted.add_metric([place], float(n))
+        yield exhausted
 
     def _requests(self, m: Metrics) -> Iterator[Any]:
         rejected = CounterMetricFamily("cacheseek_frames_rejected", "Client frames rejected, by reason", labels=["reason"])

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..descriptors import note_if_exhausted
 from ..errors import StorageError
 from .lease import Lease, LeaseLedger
 
@@ -365,6 +366,7 @@ class ReadFailed(Exception):
     @classmethod
     def not_made(cls, reason: str, exc: BaseException) -> ReadFailed:
         """A read that ``exc`` (an ``OSError`` or ``MemoryError``) kept from being made."""
+        note_if_exhausted("disk_read", exc)  # (the cause, connections holding every descriptor, said apart)
         shortage = isinstance(exc, MemoryError) or isinstance(exc, OSError) and exc.errno in SHORTAGES
         io_error = isinstance(exc, OSError) and exc.errno in MEDIA_ERRORS
         return cls(reason, damaged=False, shortage=shortage, io_error=io_error)

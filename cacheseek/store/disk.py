@@ -115,6 +115,7 @@ from pathlib import Path
 
 import msgpack
 
+from ..descriptors import note_if_exhausted
 from ..errors import ConfigError, FrameError, FrameVersionError, StorageError
 from ..log_throttle import LogThrottle
 from ..units import format_size
@@ -269,6 +270,7 @@ class _ReadOnlyFs(StorageError):
 
 
 def _write_error(tier: str, path: Path, exc: BaseException) -> StorageError:
+    note_if_exhausted("disk_write", exc)  # (the cause, connections holding every descriptor, said apart)
     errno_ = exc.errno if isinstance(exc, OSError) else None
     kind = _NoSpace if errno_ in _NO_SPACE else _ReadOnlyFs if errno_ == errno.EROFS else StorageError
     error = kind(f"{tier} tier: writing {path.name} failed: {exc}")
