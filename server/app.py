@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import importlib
 import ipaddress
 import json
 import logging
@@ -275,6 +276,12 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # numpy, which each write's frame check uses (store.frame.check_stat_values imports it
+        # where called, the library having no need of it), is imported before any write: first
+        # imported by a write that found no file descriptor free, it was left half loaded, and
+        # every write after it failed ("cannot load module more than once per process") until
+        # a restart.
+        importlib.import_module("numpy")
         owned = store is None
         start = time.perf_counter()
         the_store = store if store is not None else await run_in_threadpool(build_store, settings)

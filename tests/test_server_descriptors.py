@@ -131,3 +131,25 @@ def test_an_unlimited_hard_limit_raises_the_soft_one_as_far_as_the_system_takes(
     limits.append((resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     assert descriptors.raise_soft_limit(1 << 20) == descriptors.Limit(soft=1 << 20, hard=None, was=1 << 20)
     assert len(limits) == 3
+
+
+def test_a_first_write_with_no_descriptor_free_leaves_later_writes_working(tmp_path):
+    """The first write imports what the frame check needs: made with no descriptor free, that
+    import failed half-way and every write after it was a 500 until a restart."""
+    limit = 64
+    crowd: list[socket.socket] = []
+    with Server(tmp_path, nofile=(limit, limit)) as srv:
+        with httpx.Client(base_url=srv.url, timeout=30) as client:
+            assert client.get("/healthz").status_code == 200  # connected before the crowd; no write yet
+            try:
+                for _ in range(limit + 16):
+                    crowd.append(socket.create_connection(("127.0.0.1", srv.port)))
+                wait_for(lambda: client.get("/v1/stats").json()["descriptors"]["exhausted"]["check"] > 0)
+                r = client.post("/v1/blocks", content=batch_body([f for _, f in raw_chain(1, 4)]))
+                assert r.status_code == 200 and {a["status"] for a in r.json()} == {"failed"}, r.text
+            finally:
+                for s in crowd:
+                    s.close()
+            wait_for(lambda: client.get("/v1/stats").json()["descriptors"]["open"] < limit // 2)
+            r = client.post("/v1/blocks", content=batch_body([f for _, f in raw_chain(2, 4)]))
+            assert r.status_code == 200 and {a["status"] for a in r.json()} == {"stored"}, r.text
