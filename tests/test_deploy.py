@@ -14,6 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from cacheseek.descriptors import MIN_DESCRIPTORS
 from cacheseek.server.config import ServerSettings
 from cacheseek.store.redis_memory import maxmemory_needed
 from cacheseek.units import parse_size
@@ -141,6 +142,8 @@ def test_compose_prometheus_and_grafana_are_wired_together():
             else:
                 assert source in compose["volumes"], (name, source)
     assert "allkeys" not in " ".join(services["redis"]["command"])  # docs/redis.md: never an allkeys-* policy
+    # each connection holds a descriptor: a hard limit left to the daemon may be 1024, which a fleet fills
+    assert services["cacheseek"]["ulimits"]["nofile"]["hard"] >= 16 * MIN_DESCRIPTORS
     prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     (job,) = prom["scrape_configs"]
     assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"] == ["cacheseek:8080"]
