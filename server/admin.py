@@ -19,7 +19,8 @@ Each operation changes what it names and nothing else:
 With several replicas over one Redis, each replica's own tiers are its own: a flush through
 one deletes from Redis every block of what it names, but another replica's CPU tier keeps
 its copies; run a flush, delete or pin against every replica (``cacheseek admin --url A
---url B ...``).
+--url B ...``). Each finds its copies whichever went first: a block a replica promoted from
+Redis came with its owner tag, and is attributed by it, or kept with it (``stray_keys``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +99,13 @@ class AdminOps:
             # evicted from here), found by the owner tag they were written with. Listed before
             # anything is deleted: a list cut short by an outage would delete part of a
             # tenant's blocks and answer as if done.
-            shared = self._shared_keys(namespace, model, what)
-            if not known and not shared:
+            match = self._tag_match(namespace, model)
+            shared = self._shared_keys(match, what)
+            # Blocks promoted here with a tag whose names this server did not know then: held
+            # here unattributed, found by the tag (their Redis copies may be gone: flushed
+            # through another replica first, expired, or evicted).
+            stray = owners.stray_keys(match)
+            if not known and not shared and not stray:
                 hint = ""
                 if model is not None and (full := owners.past_models(namespace, model)):
                     hint += (f"; namespace {full[0]!r} has {owners.max_models} models told apart, each holding "
@@ -109,7 +116,8 @@ class AdminOps:
                     hint += ("; blocks other replicas wrote to Redis are found only where every replica has "
                              "the same namespace_secret")
                 raise NotFound(f"no blocks were ever stored for {what} through this server{hint}")
-            keys = list(dict.fromkeys([*keys, *owners.keys_of(namespace=namespace, model=model), *shared]))
+            keys = list(dict.fromkeys([*keys, *owners.keys_of(namespace=namespace, model=model), *stray,
+                                       *owners.stray_keys(match), *shared]))
             # A block whose Redis copy could not be deleted is kept in every tier: the flush
             # finds what to delete here, so a retry finds it again and deletes it there too
             # (deleted here alone, its Redis copy was named by nothing and served again).
@@ -123,7 +131,9 @@ class AdminOps:
                                   f"not be reached, so those are kept (in every tier; {blocks} others deleted); retry")
         return {"namespace": namespace, "model": model, "deleted_blocks": blocks, "deleted_bytes": nbytes}
 
-    def _shared_keys(self, namespace: str | None, model: str | None, what: str) -> list[bytes]:
+    def _tag_match(self, namespace: str | None, model: str | None) -> Callable[[str], bool]:
+        """Whether an owner tag (``Namespaces.owner_tag``) is of ``namespace`` and ``model``
+        (None: any)."""
         names = self.service.namespaces
         ns_tag = names.namespace_tag(namespace) if namespace is not None else None
         model_tag = names.model_tag(model) if model is not None else None
@@ -132,6 +142,9 @@ class AdminOps:
             ns, _, mo = tag.partition(".")
             return (ns_tag is None or ns == ns_tag) and (model_tag is None or mo == model_tag)
 
+        return match
+
+    def _shared_keys(self, match: Callable[[str], bool], what: str) -> list[bytes]:
         found: list[bytes] = []
         for tier in self.store.tiers:
             if hasattr(tier, "owned"):

@@ -8,8 +8,13 @@ nothing either; it keeps its own attribution, fed by the store's residency event
   namespace and model (``X-CacheSeek-Model``; "" when the client does not say);
 - a block that left the store a moment ago enters it again as its owner's (a demotion:
   out of one tier, then into the next), as does a child whose parent is so on its way;
-- any other block (promoted back from Redis, recovered from disk, a write that lost the
-  announcement) inherits from its chain: a block at position 0 from its *root* (its parent
+- a block promoted from a shared Redis tier is its owner tag's (``came_with``: the tag each
+  block is written to Redis with, read in the same round trip as its frame), where this
+  process knows the names behind the tag: an owner's it attributes, or those of a request
+  it served (``heard``: a read in a namespace and model brings that namespace's blocks up,
+  whichever replica wrote them);
+- any other block (recovered from disk, promoted with a tag not known here, a write that
+  lost the announcement) inherits from its chain: a block at position 0 from its *root* (its parent
   hash as stored, which is the client's root masked by the namespace: one per namespace,
   model and codec configuration), a later one from its parent. Roots are few, so they are
   kept in a small JSON file beside the disk tier (``OWNERS_FILE``), and blocks recovered at
@@ -18,10 +23,12 @@ nothing either; it keeps its own attribution, fed by the store's residency event
   remembered (its chains are attributed while written, and unattributed after a restart).
 
 A block whose chain cannot be traced (its head gone, or written before the root was
-known) is *unattributed* (namespace None). Blocks only a shared Redis tier holds are not
-seen here (Redis has no local index): usage counts the local tiers. A flush finds those
-through the owner tag each block is written to Redis with (``tag_of``, kept beside its
-entry in the shared index), whichever process wrote it.
+known) is *unattributed* (namespace None); one that came up from Redis keeps its tag here
+(``stray_keys``), so a flush of its namespace or model still finds it once Redis has let go
+of it. Blocks only a shared Redis tier holds are not seen here (Redis has no local index):
+usage counts the local tiers. A flush finds those through the owner tag each block is
+written to Redis with (``tag_of``, kept beside its entry in the shared index), whichever
+process wrote it.
 
 Events arrive under a tier's lock: every method they call is a few dict operations.
 """
@@ -96,6 +103,18 @@ class Owners:
         # (namespace, model) -> the tag a shared Redis keeps for the owner (set by the server)
         self.tagger: Any = None
         self._tags: list[str] = [""]  # id -> tag ("" for unattributed)
+        self._owner_of_tag: dict[str, int] = {}  # the tags in ``_tags`` -> their ids
+        # Tags of the (namespace, model) pairs requests were served in (``heard``), newest
+        # last, at most ``max_owners``: the names behind the tags of blocks they bring up.
+        self._heard: dict[tuple[str, str], str] = {}
+        self._heard_tags: dict[str, tuple[str, str]] = {}
+        # Stored key -> the owner tag its frame came up from Redis with (``came_with``), until
+        # it enters a local tier (``appeared``), at most ``max_left`` (a read not promoted
+        # leaves its entry, dropped oldest first).
+        self._came: dict[bytes, str] = {}
+        # Unattributed blocks held that came up with a tag (one not known here): a flush
+        # matches it (``stray_keys``). Blocks of a (namespace, model) never named here.
+        self._stray: dict[bytes, str] = {}
         self._path = Path(state_dir) / OWNERS_FILE if state_dir is not None else None
         self._directory_held = directory_held
         self._save_lock = threading.Lock()  # one writer of the file at a time, newest last
@@ -119,15 +138,17 @@ class Owners:
             self._save()  # (the roots of the model it replaced are gone from the file)
         return got
 
-    def _owner_id(self, namespace: str, model: str) -> tuple[int, bool]:
-        """(Under the lock.) ``owner_id``, and whether roots were forgotten (a place taken)."""
+    def _owner_id(self, namespace: str, model: str, *, take_place: bool = True) -> tuple[int, bool]:
+        """(Under the lock.) ``owner_id``, and whether roots were forgotten (a place taken).
+        ``take_place=False``: a model past ``max_models`` is ``OTHER_MODEL``, no idle model's
+        place taken (whose forgotten roots would want the file saved: not under a tier's lock)."""
         key = (namespace, model)
         got = self._ids.get(key)
         if got is not None:
             return got, False
         new_root = False
         if model != OTHER_MODEL and self._models.get(namespace, 0) >= self.max_models:
-            got, new_root = self._take_place(key)
+            got, new_root = self._take_place(key) if take_place else (None, False)
             if got is None:
                 key = (namespace, OTHER_MODEL)
                 got = self._ids.get(key)
@@ -180,7 +201,10 @@ class Owners:
         self._usage[got] = Usage()
         self._ids[key] = got
         if got < len(self._tags):
-            self._tags[got] = self.tagger(*key) if self.tagger is not None and key[0] is not None else ""
+            self._owner_of_tag.pop(self._tags[got], None)
+            self._tags[got] = tag = self.tagger(*key) if self.tagger is not None and key[0] is not None else ""
+            if tag:
+                self._owner_of_tag[tag] = got
         return got, bool(roots)
 
     def past_models(self, namespace: str | None, model: str) -> list[str]:
@@ -260,6 +284,58 @@ class Owners:
                 if not writers:
                     del self._expected[key]
 
+    # -- the reader's side ---------------------------------------------------------------
+
+    def heard(self, namespace: str, model: str) -> None:
+        """A request in (``namespace``, ``model``) is about to read blocks, which may come up
+        from a shared tier written by another process (``came_with``): their tag is told by
+        these names. Keys are masked per namespace, so what the request finds is its
+        namespace's; a replica that never wrote it counted it unattributed (its chain's root
+        unknown here), and a flush of the namespace passed it by. One dict look-up once heard."""
+        if (namespace, model) in self._heard or self.tagger is None:
+            return
+        tag = self.tagger(namespace, model)  # (two keyed hashes, once per pair heard)
+        with self._lock:
+            if len(self._heard) >= self.max_owners:  # (names a client makes up: bounded, oldest out)
+                oldest = next(iter(self._heard))
+                self._heard_tags.pop(self._heard.pop(oldest), None)
+            self._heard[(namespace, model)] = tag
+            self._heard_tags[tag] = (namespace, model)
+
+    def came_with(self, tagged: Iterable[tuple[bytes, str]]) -> None:
+        """Blocks a shared tier's read found, each with the owner tag it was written with,
+        about to be promoted: ``appeared`` attributes them by it (the one round trip that read
+        the frames read the tags)."""
+        with self._lock:
+            for key, tag in tagged:
+                self._came[key] = tag
+            while len(self._came) > self.max_left:
+                del self._came[next(iter(self._came))]
+
+    def _owner_of(self, tag: str) -> int | None:
+        """(Under the lock.) The owner a tag names, made if its names were heard; None if this
+        process knows no names behind it."""
+        self._tag_owners()
+        got = self._owner_of_tag.get(tag)
+        if got is not None:
+            return got
+        names = self._heard_tags.get(tag)
+        if names is None:
+            return None
+        return self._owner_id(*names, take_place=False)[0]
+
+    def _tag_owners(self) -> None:
+        """(Under the lock.) The tag of every owner made so far (tags are made once per owner:
+        two keyed hashes). None before the server sets ``tagger``."""
+        if self.tagger is None:
+            return
+        while len(self._tags) < len(self._names):
+            namespace, model = self._names[len(self._tags)]
+            tag = self.tagger(namespace, model) if namespace is not None else ""
+            if tag:
+                self._owner_of_tag[tag] = len(self._tags)
+            self._tags.append(tag)
+
     # -- residency events (under a tier's lock) ------------------------------------------------
 
     def appeared(self, key: bytes, info: BlockInfo) -> None:
@@ -267,11 +343,16 @@ class Owners:
             writers = self._expected.get(key)
             left = self._left.pop(key, None)
             self._left_seq.pop(key, None)
+            tag = self._came.pop(key, None) if self._came else None
             owner = writers[0] if writers else left
+            if owner is None and tag is not None:
+                owner = self._owner_of(tag)
             if owner is None:
                 owner = self._roots.get(info.parent, UNATTRIBUTED) if info.position == 0 \
                     else self._of.get(info.parent, self._left.get(info.parent,
                                                                   self._roots.get(info.parent, UNATTRIBUTED)))
+            if owner == UNATTRIBUTED and tag is not None:
+                self._stray[key] = tag
             self._of[key] = owner
             u = self._usage[owner]
             u.blocks += 1
@@ -281,6 +362,14 @@ class Owners:
     def gone(self, key: bytes, info: BlockInfo) -> None:
         with self._lock:
             owner = self._of.pop(key, UNATTRIBUTED)
+            if owner == UNATTRIBUTED and self._stray:
+                tag = self._stray.pop(key, None)
+                if tag is not None and not getattr(self._thread, "deleting", False):
+                    # (on its way down a tier, as ``_left`` is for an owner's: the copy it
+                    # lands as keeps its tag, and its flush)
+                    self._came[key] = tag
+                    if len(self._came) > self.max_left:
+                        del self._came[next(iter(self._came))]
             self._gone_seq += 1
             if owner != UNATTRIBUTED and not getattr(self._thread, "deleting", False):
                 self._left[key] = owner
@@ -344,17 +433,24 @@ class Owners:
             ids = {i for i, name in enumerate(self._names) if i != UNATTRIBUTED and _matches(name, namespace, model)}
             return [key for key, owner in self._of.items() if owner in ids]
 
+    def stray_keys(self, match: Callable[[str], bool]) -> list[bytes]:
+        """Unattributed keys held whose owner tag (as they came up from a shared tier)
+        ``match`` accepts: a flush's, of names this process never knew when they came."""
+        with self._lock:
+            return [key for key, tag in self._stray.items() if match(tag)]
+
     def tag_of(self, key: bytes) -> str:
         """The owner tag of a block about to be written to a shared tier ("" if nobody's):
-        the writer's announced, else its holder's (a demotion's copy, or its last one)."""
+        the writer's announced, else its holder's (a demotion's copy, or its last one), else
+        the tag it came up from a shared tier with."""
         with self._lock:
             writers = self._expected.get(key)
             owner = writers[0] if writers else self._of.get(key, self._left.get(key, UNATTRIBUTED))
-            if owner == UNATTRIBUTED or self.tagger is None:
+            if owner == UNATTRIBUTED:  # (a block that came up with a tag not known here keeps it)
+                return self._stray.get(key) or self._came.get(key, "")
+            if self.tagger is None:
                 return ""
-            while len(self._tags) <= owner:  # (tags made once per owner: two keyed hashes)
-                namespace, model = self._names[len(self._tags)]
-                self._tags.append(self.tagger(namespace, model) if namespace is not None else "")
+            self._tag_owners()
             return self._tags[owner]
 
     def owner_of(self, key: bytes) -> tuple[str | None, str]:

@@ -114,9 +114,12 @@ class BlockService:
         # A shared tier (Redis) keeps each block's owner beside it: an admin flush on any
         # replica finds there what no local index names (written by another, or evicted here).
         self.owners.tagger = namespaces.owner_tag
+        # And a read from it tells each block's owner with its frame: a block another replica
+        # wrote (or this one, before a restart) is attributed by it when promoted here.
         for tier in store.tiers:
-            if hasattr(tier, "owner_tag"):  # (a shared tier: Redis's, which lists blocks by owner)
+            if hasattr(tier, "owner_tag") and hasattr(tier, "tags_read"):  # (a shared tier: Redis's)
                 tier.owner_tag = self.owners.tag_of
+                tier.tags_read = self.owners.came_with
 
     # -- writes --------------------------------------------------------------------------
 

@@ -168,6 +168,46 @@ def test_two_writers_of_one_block_each_settle_their_own_announcement():
     assert [(u["model"], u["blocks"]) for u in owners.usage() if u["blocks"]] == [("model-b", 1)]
 
 
+def test_a_block_promoted_from_redis_is_its_owner_tags_and_keeps_the_tag_it_cannot_name_down_a_tier():
+    """A block another replica wrote comes up from Redis with its owner tag: it was counted
+    unattributed here (its chain's root never seen), and a flush of its namespace passed it by.
+    Now it is the owner's the tag names, once a request in those names was heard; a tag of
+    names never heard is kept with the unattributed block, through a demotion, for a flush."""
+    from cacheseek.store.tier import BlockInfo
+    from server.namespaces import Namespaces
+    from server.owners import Owners
+
+    names = Namespaces(b"s" * 32)
+    owners = Owners(max_left=4)
+    owners.tagger = names.owner_tag
+    head, tail, stray = b"h" * 16, b"t" * 16, b"s" * 16
+    owners.came_with([(head, names.owner_tag("x", "m")), (stray, names.owner_tag("x", "other"))])
+    owners.heard("x", "m")
+    owners.appeared(head, BlockInfo(nbytes=100, raw_nbytes=400, parent=b"r" * 16, position=0))
+    owners.appeared(tail, BlockInfo(nbytes=100, raw_nbytes=400, parent=head, position=1))  # (no tag: its chain)
+    info = BlockInfo(nbytes=100, raw_nbytes=400, parent=b"q" * 16, position=0)
+    owners.appeared(stray, info)
+    assert [(u["namespace"], u["model"], u["blocks"]) for u in owners.usage()] == [("x", "m", 2), (None, "", 1)]
+    assert owners.keys_of(namespace="x") == [head, tail]
+
+    def match(namespace: str | None, model: str | None):
+        return lambda tag: tag == names.owner_tag(namespace, model) if model is not None else \
+            tag.partition(".")[0] == names.namespace_tag(namespace)
+
+    assert owners.stray_keys(match("x", None)) == [stray] == owners.stray_keys(match("x", "other"))
+    assert owners.stray_keys(match("y", None)) == [] and owners.tag_of(stray) == names.owner_tag("x", "other")
+    owners.gone(stray, info)  # out of the CPU tier, on its way to the disk tier
+    owners.appeared(stray, info)
+    assert owners.stray_keys(match("x", None)) == [stray]
+    with owners.deleting() as deleted:  # a flush's delete: the tag goes with it
+        owners.gone(stray, info)
+        deleted.append(stray)
+    owners.appeared(stray, info)  # (written again by a client whose root was never seen here)
+    assert owners.stray_keys(match("x", None)) == []
+    owners.came_with([(bytes([i]) * 16, "a.b") for i in range(10)])  # reads not promoted: bounded
+    assert len(owners._came) == 4
+
+
 def test_a_block_written_again_while_a_flush_deletes_it_keeps_its_owner_as_it_moves_down():
     """A write-back server: an admin flush deletes a block, and before the flush has
     settled its bookkeeping a client writes the block again and the write-back moves that

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import threading
 import time
 
@@ -513,6 +514,94 @@ def test_a_flush_through_a_replica_of_another_namespace_secret_says_it_needs_the
                                          "other replicas wrote to Redis are found only where every replica has the "
                                          "same namespace_secret"), r.text
             assert _served(cb, chain, "") == [200] * 2
+    finally:
+        redis.kill()
+
+
+def _usage(c: httpx.Client) -> list[tuple]:
+    return [(n["namespace"], n["model"], n["blocks"]) for n in c.get("/v1/stats").json()["namespaces"] if n["blocks"]]
+
+
+def _read_chain(c: httpx.Client, chain, namespace: str, model: str | None) -> int:
+    headers = {"X-CacheSeek-Namespace": namespace, **({"X-CacheSeek-Model": model} if model is not None else {})}
+    return c.get(f"/v1/prefixes/{chain[-1][0].hex()}", headers=headers).status_code
+
+
+def test_blocks_a_replica_reads_from_redis_are_its_readers_and_a_flush_of_every_replica_takes_them(tmp_path):
+    """Two replicas with CPU tiers over one Redis: A writes a tenant's chain, B reads it (its
+    CPU tier takes the blocks up from Redis). B counted them unattributed (it never saw the
+    chain's root), so the documented flush of every replica, A first, left them: A's flush
+    deleted the Redis copies and their owner tags, and B answered "nothing to flush" while it
+    went on serving the tenant's KV. Now a block comes up with its owner tag, read in the
+    same round trip: B counts it under the tenant and model, and flushes it."""
+    from server_helpers import cacheseek_command, raw_chain
+
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        with Server(tmp_path / "a", "--admin-token", "adm", disk=False, env=_env(redis)) as a, \
+                Server(tmp_path / "b", "--admin-token", "adm", disk=False, env=_env(redis)) as b, \
+                httpx.Client(base_url=a.url, timeout=10) as ca, httpx.Client(base_url=b.url, timeout=10) as cb:
+            chain, other = raw_chain(101, 5), raw_chain(102, 2)
+            _put_chain(ca, chain, "x", "m")
+            _put_chain(ca, other, "y", "m")
+            assert _usage(cb) == []
+            assert _read_chain(cb, chain, "x", "m") == 200 and _read_chain(cb, other, "y", "m") == 200
+            assert sorted(_usage(cb)) == [("x", "m", 5), ("y", "m", 2)]
+            assert {t["name"]: t["blocks"] for t in cb.get("/v1/stats").json()["tiers"]}["cpu"] == 7
+            namespaces = cb.get("/v1/admin/namespaces", headers=ADMIN).json()
+            assert {n["namespace"]: n["blocks"] for n in namespaces} == {"x": 5, "y": 2}, namespaces
+
+            flushed = subprocess.run([*cacheseek_command(), "admin", "--url", a.url, "--url", b.url, "--token", "adm",
+                                      "--json", "flush", "--namespace", "x"], capture_output=True, text=True,
+                                     timeout=60)
+            assert flushed.returncode == 0 and flushed.stdout.count('"deleted_blocks": 5') == 2, flushed
+            assert "nothing to flush" not in flushed.stderr, flushed.stderr
+            for c in (ca, cb):
+                assert _read_chain(c, chain, "x", "m") == 404 and _served(c, chain, "x") == [404] * 5
+                assert _read_chain(c, other, "y", "m") == 200
+            assert _usage(cb) == [("y", "m", 2)]
+            _no_500(a)
+            _no_500(b)
+    finally:
+        redis.kill()
+
+
+def test_a_replica_restarted_without_a_disk_reads_back_its_blocks_under_their_owner(tmp_path):
+    """The stateless shape (CPU tier and Redis, no disk, so no owners file): after a restart,
+    every block the replica read back from Redis was counted unattributed, and once Redis let
+    go of them (another replica's flush, its TTL, its LRU) its own flush no longer found them.
+    Now they are counted under the owner tag they came with. A replica that never heard the
+    writer's names (its reader named no model) counts them unattributed, but a flush of their
+    namespace and model still takes them there, Redis's copies gone first."""
+    from server_helpers import raw_chain
+
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        chain, unnamed = raw_chain(103, 4), raw_chain(104, 3)
+        with Server(tmp_path / "a", disk=False, env=_env(redis)) as a, httpx.Client(base_url=a.url, timeout=10) as c:
+            _put_chain(c, chain, "x", "m")
+            _put_chain(c, unnamed, "x", "m")
+            assert _usage(c) == [("x", "m", 7)]
+        with Server(tmp_path / "a2", "--admin-token", "adm", disk=False, env=_env(redis)) as a, \
+                Server(tmp_path / "b", "--admin-token", "adm", disk=False, env=_env(redis)) as b, \
+                httpx.Client(base_url=a.url, timeout=10) as c, httpx.Client(base_url=b.url, timeout=10) as cb:
+            assert _usage(c) == []
+            assert _read_chain(c, chain, "x", "m") == 200
+            assert _usage(c) == [("x", "m", 4)]
+            # B never heard of model "m": the tag its blocks come with names nobody it knows.
+            assert _read_chain(cb, unnamed, "x", None) == 200
+            assert _usage(cb) == [(None, "", 3)]
+
+            # Redis's copies gone (a flush through another replica), B's held still.
+            r = c.post("/v1/admin/flush", params={"namespace": "x"}, headers=ADMIN)
+            assert r.status_code == 200 and r.json()["deleted_blocks"] == 7, r.text
+            assert _redis_stats(a)["blocks"] == 0 and _usage(c) == []
+            assert _read_chain(cb, unnamed, "x", None) == 200
+            r = cb.post("/v1/admin/flush", params={"namespace": "x", "model": "m"}, headers=ADMIN)
+            assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
+            assert _read_chain(cb, unnamed, "x", None) == 404 and _usage(cb) == []
+            _no_500(a)
+            _no_500(b)
     finally:
         redis.kill()
 

@@ -261,6 +261,12 @@ class RedisTier(Tier):
         # Redis finds it (see ``owned``). Set by whoever knows owners (the server); it is
         # called with no lock of this tier held, and must be quick.
         self.owner_tag: Callable[[bytes], str] | None = None
+        # Told the owner tags of the frames a read found, (key, tag) for each with one, before
+        # they are handed on (promoted into a faster tier): where set, a read asks for them in
+        # its round trip (one HMGET beside the frames'). A process that did not write a block
+        # (another replica did, or this one before a restart) learns its owner so. Called with
+        # no lock of this tier held; must be quick.
+        self.tags_read: Callable[[list[tuple[bytes, str]]], None] | None = None
         self.repair_evictions = 0  # blocks the last check(fix=True) evicted
         self._smaller_budget_said = 0  # the last smaller budget of another process logged
         # Blocks whose frame a read (or a put's look at its first bytes) found of another format
@@ -760,8 +766,10 @@ class RedisTier(Tier):
         if not keys:
             return []
         start = time.perf_counter()
+        told = self.tags_read
+        members = [RedisKeys.member(k) for k in keys] if told is not None else []
         try:
-            datas = self._run(lambda c: self._read_values(c, [self.keys_of.frame(k) for k in keys]))
+            datas, tags = self._run(lambda c: self._read_values(c, [self.keys_of.frame(k) for k in keys], members))
         except StorageError:
             with self._lock:
                 self._faults.read_errors += 1
@@ -780,6 +788,11 @@ class RedisTier(Tier):
         absent = [key for key, data in zip(keys, datas) if data is None]
         if absent:
             self._repair_ghosts(absent)
+        if told is not None and tags:
+            found = [(key, text) for key, frame, tag in zip(keys, out, tags)
+                     if frame is not None and tag and (text := member_text(tag))]
+            if found:
+                told(found)
         return out
 
     def _queue_read(self, pipe: Any, name: str) -> None:
@@ -797,14 +810,23 @@ class RedisTier(Tier):
         key that is not there (no frame is empty)."""
         return None if self.max_frame_bytes is not None and reply == b"" else reply
 
-    def _read_values(self, client: Any, names: Sequence[str]) -> list[Any]:
+    def _read_values(self, client: Any, names: Sequence[str], members: Sequence[str] = ()
+                     ) -> tuple[list[Any], list[Any]]:
         """The values of frames ``names`` (``_queue_read``), one round trip; an error Redis
-        answers for one key comes back in its place (a connection error still raises)."""
+        answers for one key comes back in its place (a connection error still raises). With
+        ``members`` (the same blocks'), their owner tags too, in the same round trip ([]
+        where Redis answered an error for them: the blocks are read all the same)."""
         pipe = client.pipeline(transaction=False)
         for name in names:
             self._queue_read(pipe, name)
+        if members:
+            pipe.hmget(self.keys_of.owners, list(members))
         replies = pipe.execute(raise_on_error=False)
         self._raise_unavailable(replies)
+        tags: list[Any] = []
+        if members:
+            got = replies.pop()
+            tags = got if isinstance(got, list) else []
         empty = [i for i, r in enumerate(replies) if r == b""] if self.max_frame_bytes is not None else []
         if empty:
             # GETRANGE answers the same for a missing key and an empty value: ask which, on
@@ -816,8 +838,8 @@ class RedisTier(Tier):
             found = pipe.execute(raise_on_error=False)
             self._raise_unavailable(found)
             there = {i for i, n in zip(empty, found) if n == 1}
-            return [r if i in there else self._value(r) for i, r in enumerate(replies)]
-        return [self._value(r) for r in replies]
+            return [r if i in there else self._value(r) for i, r in enumerate(replies)], tags
+        return [self._value(r) for r in replies], tags
 
     def _repair_ghosts(self, keys: Sequence[bytes]) -> None:
         """Forget the index entries of blocks a read found without a value (expired, or

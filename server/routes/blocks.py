@@ -201,6 +201,8 @@ async def get_block(caller: Reader, hash: Hash, request: Request, service: Servi
     try:
         got = service.get_nowait(caller.namespace, hash, leases)  # in host memory: no I/O, no thread hand-off
         if got is None:
+            # (it may come up from Redis, written by another replica: owned by these names)
+            service.owners.heard(caller.namespace, clean_label(client_headers(request.headers)[0]))
             got = await run_in_threadpool(service.get, caller.namespace, hash, leases)
     except BaseException:
         release_all(leases)

@@ -23,6 +23,7 @@ from cacheseek.batch_body import FRAME_CONTENT_TYPE
 
 from ..deps import caller_of, service_of
 from ..errors import BadLookup
+from ..metrics import clean_label, client_headers
 from ._body import ERROR, small_body
 from .lookup import LOOKUP_BODY, LOOKUP_DOC, _binary_hashes, _json_hashes, binary_only, hashes_limit
 
@@ -59,6 +60,8 @@ async def prefetch(request: Request) -> JSONResponse:
         hashes, _, lengths = _json_hashes(body, limit)
     if lengths is not None:
         raise BadLookup("chains: a prefetch promotes one chain (hashes)")
+    # (its blocks come up from below, perhaps written by another replica: owned by these names)
+    service.owners.heard(caller.namespace, clean_label(client_headers(request.headers)[0]))
     if service.store.indexes_in_memory:
         found = service.prefetch(caller.namespace, hashes)  # a lookup and a hand-off: no I/O here
     else:

@@ -17,6 +17,7 @@ from ..deps import Hash, Reader, Service
 from ..errors import BadRequest
 from ..head import is_head
 from ..leased_response import LeasedStreamingResponse, ResponseCut, SentLeases, copied_tail
+from ..metrics import clean_label, client_headers
 from ..protocol import BODY_GONE
 from ._body import BINARY, ERROR
 
@@ -58,6 +59,8 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
     if is_head(request):  # the answer's headers, from the index: no frame fetched, counted or touched
         return Response(media_type=BATCH_CONTENT_TYPE, headers=headers)
     namespace = caller.namespace
+    # (blocks may come up from Redis, written by another replica: owned by these names)
+    service.owners.heard(namespace, clean_label(client_headers(request.headers)[0]))
     metrics = service.metrics
     traffic = metrics.for_request(namespace, request.headers)
     if traffic is not None:
