@@ -82,7 +82,7 @@ def _scenario(cache) -> list:
     out.append(("after bad input", cache.lookup(bad_toks), cache.lookup([1 if t is True else t for t in masked])))
     stats = cache.stats()
     # The server adds its own figures (traffic, requests, usage per namespace: docs/operations.md).
-    server_only = {"commit", "frame_bytes_received", "frame_bytes_sent", "frames_rejected", "lookup_latency",
+    server_only = {"commit", "descriptors", "frame_bytes_received", "frame_bytes_sent", "frames_rejected", "lookup_latency",
                    "metrics_detail", "namespaces", "recovery", "requests", "started_at", "traffic", "uptime_seconds",
                    "version"}
     out.append(("stats keys", sorted(set(stats) - server_only), [t["name"] for t in stats["tiers"]],
