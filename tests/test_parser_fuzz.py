@@ -29,6 +29,7 @@ import cacheseek as cs
 from cacheseek.errors import FrameError
 from cacheseek.store.breaker import CircuitBreaker
 from cacheseek.store.frame import ALIGN, MAGIC, PREAMBLE, check_codec_layout, parse_frame, payload_checksum
+from cacheseek.transport import ssl_context
 from redis_servers import needs_redis
 from server_helpers import Server, batch_body, raw_frame
 from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
@@ -196,10 +197,15 @@ def _front(answers: dict):
     return script
 
 
+# The fronts speak plain http, so no cache here uses TLS; one context for them all, built once:
+# a cache given verify=True loads the system's CA bundle (~25 ms of CPU), once per example.
+_UNUSED_TLS = ssl_context(True)
+
+
 def _remote(url: str) -> cs.RemoteCache:
     # (a breaker that never opens: every example reaches the reader under test)
     return cs.RemoteCache(url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
-                          trust_env=False, breaker=CircuitBreaker(failure_threshold=1 << 30))
+                          trust_env=False, verify=_UNUSED_TLS, breaker=CircuitBreaker(failure_threshold=1 << 30))
 
 
 SCALARS = st.none() | st.booleans() | st.integers(-3, 5) | st.floats() | st.text(max_size=6) \
