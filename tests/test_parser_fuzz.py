@@ -37,6 +37,11 @@ from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_k
 TINY = cs.KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")  # a Raw frame of ~1.3 KB
 KIVI_LAYOUT = cs.KVLayout(num_layers=1, num_kv_heads=2, head_dim=32, dtype="float16")
 
+# Every server and front here speaks plain http, so no client uses TLS: one context for them
+# all, built once. A client or cache given verify=True loads the system's CA bundle (~25 ms
+# of CPU), once per example.
+_UNUSED_TLS = ssl_context(True)
+
 
 def fuzz(examples: int) -> settings:
     return settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -144,7 +149,7 @@ def test_the_server_refuses_a_forged_header_and_stores_nothing(server, kind, whi
     forged = forge(set_field(header, which, value), payload, seal=seal)
     if accepted(forged):
         return  # (the field was set to what it held, or to what the checks allow)
-    with httpx.Client(base_url=server.url, timeout=30) as client:
+    with httpx.Client(base_url=server.url, timeout=30, verify=_UNUSED_TLS) as client:
         before = stored(client)
         if how == "put":
             response = client.put(f"/v1/blocks/{h.hex()}", content=forged)
@@ -174,7 +179,7 @@ def test_the_server_refuses_a_batch_whose_lengths_lie_and_stores_nothing(server,
         if a == b or (b - a) % len(body) == 0:
             return
         body = body[:a] + body[b:]
-    with httpx.Client(base_url=server.url, timeout=30) as client:
+    with httpx.Client(base_url=server.url, timeout=30, verify=_UNUSED_TLS) as client:
         before = stored(client)
         response = client.post("/v1/blocks", content=bytes(body))
         refused_and_nothing_stored(client, before, response, (how, index, length, cut, splice))
@@ -195,11 +200,6 @@ def _front(answers: dict):
         return (b"HTTP/1.1 200 OK\r\ncontent-type: " + kind + b"\r\ncontent-length: " + str(len(body)).encode()
                 + b"\r\n\r\n" + body), False
     return script
-
-
-# The fronts speak plain http, so no cache here uses TLS; one context for them all, built once:
-# a cache given verify=True loads the system's CA bundle (~25 ms of CPU), once per example.
-_UNUSED_TLS = ssl_context(True)
 
 
 def _remote(url: str) -> cs.RemoteCache:
