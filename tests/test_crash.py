@@ -19,12 +19,17 @@ import httpx
 import pytest
 
 import cacheseek as cs
+from cacheseek.transport import ssl_context
 from server_helpers import Server, batch_body, cacheseek_command, raw_frame
 from store_helpers import assert_prefix_equal, make_kv, tokens_for
 
 LAYOUT = cs.KVLayout(num_layers=8, num_kv_heads=4, head_dim=128, dtype="float16")  # 1 MiB Raw blocks
 BLOCK = 64
 HERE = Path(__file__).resolve().parent
+# The servers here speak plain http: their clients (4 to 5 every kill round) share one TLS
+# context that none uses, built once. One built per client loads the system's CA bundle (~25
+# ms of CPU), at the start of each round's load, while the server it loads wants the CPU.
+PLAIN_HTTP = ssl_context(True)
 
 CHILD = textwrap.dedent("""
     import sys
@@ -151,7 +156,7 @@ class _Load:
 
     def _run(self, w: int) -> None:
         rng = random.Random(self.seeds[w])
-        with httpx.Client(base_url=self.url, timeout=10) as c:
+        with httpx.Client(base_url=self.url, timeout=10, verify=PLAIN_HTTP) as c:
             for i in range(1 << 15):  # bounded; the server dies long before
                 if self.stop.is_set():
                     return
@@ -200,7 +205,7 @@ def _kill_loop(root: Path, args: tuple[str, ...], *, durable: bool, seed: int, m
     for round_ in range(KILLS + 1):
         srv = Server(root, *args).start()
         try:
-            with httpx.Client(base_url=srv.url, timeout=30) as c:
+            with httpx.Client(base_url=srv.url, timeout=30, verify=PLAIN_HTTP) as c:
                 assert c.get("/v1/stats").json()["durability"] == ("durable" if durable else "memory")
                 if acked and durable:  # every acknowledgement so far, and the last round's bytes
                     hashes = list(acked)
@@ -338,7 +343,7 @@ class _ChainLoad:
 
     def _run(self, w: int) -> None:
         rng = random.Random(self.seeds[w])
-        with httpx.Client(base_url=self.url, timeout=10) as c:
+        with httpx.Client(base_url=self.url, timeout=10, verify=PLAIN_HTTP) as c:
             for i in range(1 << 12):  # bounded; the server dies long before
                 shared = rng.random() < 0.25
                 chain = rng.choice(self.shared) if shared else _chain(rng, (self.round << 16) + (w << 12) + i)
@@ -441,7 +446,7 @@ def _kill_rounds(root: Path, seed: int, rounds: int) -> dict:
             said = early.output()
         srv = Server(root, *args).start()
         try:
-            with httpx.Client(base_url=srv.url, timeout=30) as c:
+            with httpx.Client(base_url=srv.url, timeout=30, verify=PLAIN_HTTP) as c:
                 assert c.get("/v1/stats").json()["durability"] == "durable"
                 lost = _absent(c, acked)
                 assert not lost, f"round {round_}: {len(lost)} of {len(acked)} acknowledged blocks lost: {lost[:3]}"
