@@ -265,3 +265,62 @@ def test_a_frame_larger_than_every_chunk_of_a_mapped_budget_says_so():
         with pytest.raises(cs.StorageError, match="larger than the tier's largest slot"):
             tier.put(key, frame)
         frame.lease.release()
+
+
+def test_a_block_in_the_cpu_tier_costs_under_1_5_kib_of_python_objects_beside_its_frame():
+    """``cpu_bytes`` counts frames only, so what the tier keeps per block beside the frame is
+    memory no budget sees: 2.9 KiB a block of Python objects here once (a parsed header's
+    layout, codec and tensor table per block, a copy of the header, a ctypes array per slot,
+    a dict of children per parent), 0.9 KiB now (the bound leaves room for other Python
+    versions' object sizes). Chains of one model's frames, parsed from their bytes as a
+    server's are; the Python heap's growth over the puts, per block."""
+    import gc
+    import tracemalloc
+
+    from cacheseek.store.frame import build_frame, parse_frame, plan_frame
+    from cacheseek.store.tier import BlockFrame
+
+    # small frames (1,408 bytes), where the overhead weighs most
+    layout = cs.KVLayout(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float16")
+    buffers = [(name, "float16", (1, 1, 16, 16)) for name in ("k", "v")]
+    chains = []
+    for c in range(65):
+        parent, frames = bytes(16), []
+        for position in range(64):
+            key = (c * 64 + position + 1).to_bytes(16, "big")
+            meta = plan_frame(block_hash=key, parent_hash=parent, position=position, layout=layout, block_tokens=16,
+                              codec=cs.Raw().spec(), buffers=buffers)
+            frames.append((key, bytes(build_frame(meta, [bytes(e.nbytes) for e in meta.tensors]))))
+            parent = key
+        chains.append(frames)
+    tier = CpuTier(8 * MiB, chunk_bytes=8 * MiB)
+
+    def put(frames):
+        for key, data in frames:
+            tier.put(key, BlockFrame(parse_frame(data), host=memoryview(data)))
+
+    put(chains[0])  # (the arena's first chunk mapped)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for c in chains[1:]:
+            put(c)
+        gc.collect()
+        per_block = (tracemalloc.get_traced_memory()[0] - before) / (64 * 64)
+    finally:
+        tracemalloc.stop()
+    assert tier.stats().blocks == 65 * 64
+    assert per_block < 1536, f"{per_block:.0f} bytes of Python objects a block beside its frame"
+
+
+def test_the_cpu_tier_keeps_no_packed_header_of_a_planned_frame():
+    # (a planned frame's meta carries its packed header, to write it once; the tier holds
+    # the header in the frame's own bytes, for as long as it holds the block)
+    tier = CpuTier(4 * MiB, chunk_bytes=MiB)
+    key, frame = raw_frame(7)
+    assert frame.meta.packed_header is not None
+    tier.put(key, frame)
+    with tier.get(key) as got:
+        assert got.meta.packed_header is None and got.meta == frame.meta
+        assert bytes(got.host) == bytes(frame.host)

@@ -228,6 +228,35 @@ def test_replanning_another_block_gives_what_planning_it_gives(block_hash, paren
     assert got.cached_header() == want.cached_header()
 
 
+def test_frames_of_one_model_parse_to_one_shared_layout_codec_and_tensor_table():
+    # A tier keeps each block's meta for as long as it holds the block: fresh copies of what
+    # every block of a model has alike cost ~1.1 KiB a block, uncounted by its budget.
+    metas = [parse_frame(_frame(position=p, seed=s)[2]) for s, p in ((1, 0), (2, 5), (3, 1 << 20))]
+    first = metas[0]
+    for meta in metas[1:]:
+        assert meta.layout is first.layout and meta.codec is first.codec and meta.tensors is first.tensors
+        assert meta.block_tokens == first.block_tokens and meta.payload_nbytes == first.payload_nbytes
+    assert [(m.block_hash, m.position) for m in metas] == [(bytes([1]) * 16, 0), (bytes([2]) * 16, 5),
+                                                          (bytes([3]) * 16, 1 << 20)]
+    assert len({m.checksum for m in metas}) == 3
+    assert all(m.packed_header is None for m in metas)  # (the header is in the frame)
+    first.header_dict()["codec"]["version"] = 2  # a header built from one changes no other
+    assert metas[1].codec == cs.KIVI(bits=4, group_size=32).spec()
+
+    # another configuration gets its own, equal to what it packed
+    meta, _, data = _frame(codec=cs.KIVI(k_bits=2, v_bits=8, group_size=32), seed=4)
+    other = parse_frame(data)
+    assert (other.layout, other.codec, other.tensors, other.payload_nbytes) == (meta.layout, meta.codec, meta.tensors,
+                                                                              meta.payload_nbytes)
+    assert other.tensors != first.tensors and other.codec is not first.codec
+
+    # a header laid out otherwise (the same fields in another order) parses to the same values
+    header, payload = _good_header()
+    reordered = parse_frame(_forge(dict(reversed(list(header.items()))), payload), verify=False)
+    plain = parse_frame(_forge(header, payload), verify=False)
+    assert reordered == plain and reordered.tensors == plain.tensors and reordered.codec == plain.codec
+
+
 @given(cuts=st.lists(st.integers(0, 4000), max_size=12))
 def test_a_checksum_fed_in_pieces_is_the_payload_checksum(cuts):
     from cacheseek.store.frame import PayloadChecksum, payload_checksum

@@ -81,6 +81,34 @@ def test_an_index_never_names_a_pinned_victim(policy):
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_an_index_keeps_a_parents_children_through_forks_moves_and_removals(policy):
+    # (a lone child is kept apart from a parent's several: each way in and out of both)
+    index = make_index(policy, 10_000)
+    root, a, b, c, other = (bytes([i]) * 16 for i in range(1, 6))
+    index.add(root, BlockInfo(100, 200, bytes(16), 0))
+    index.add(other, BlockInfo(100, 200, bytes(16), 0))
+    for key in (a, a, b, c):  # (a twice: indexed again, not a second child)
+        index.add(key, BlockInfo(100, 200, root, 1))
+    assert index.children(root) == [a, b, c]
+    index.remove(a)
+    assert index.children(root) == [b, c]
+    index.add(b, BlockInfo(100, 200, other, 1))  # moved under another parent
+    assert index.children(root) == [c] and index.children(other) == [b]
+    index.remove(c)
+    index.add(c, BlockInfo(100, 200, root, 1))
+    index.add(c, BlockInfo(100, 200, root, 1))
+    assert index.children(root) == [c]
+    index.add(a, BlockInfo(100, 200, root, 1))
+    assert index.children(root) == [c, a]
+    victims = []
+    while (v := index.victim()) is not None:
+        assert not index.children(v), "a victim with a child stored below it"
+        victims.append(v)
+        index.remove(v, evicted=True)
+    assert sorted(victims) == sorted([root, a, b, c, other]) and not index._kids
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_an_index_names_no_spared_victim_and_changes_nothing_for_it(policy):
     """``victim(spare)``: a read's promotion spares the chain it reads. The policy's order is
     walked past the spared blocks (as past pinned ones, for that call alone), a block above

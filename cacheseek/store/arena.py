@@ -32,7 +32,7 @@ import logging
 import mmap
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..units import format_size
@@ -90,6 +90,12 @@ class _Chunk:
             self._mmap = mmap.mmap(-1, nbytes)
             self._anchor = ctypes.c_ubyte.from_buffer(self._mmap)
             self.base = ctypes.addressof(self._anchor)
+        # Every slot's view is a slice of this one (a ctypes array per slot, with the attribute
+        # that kept its chunk, cost ~470 bytes a block). The array keeps the memory mapped
+        # for as long as a view lives (the mmap, or the pinned tensor; not this chunk: no cycle).
+        whole = (ctypes.c_ubyte * nbytes).from_address(self.base)
+        whole._memory = self._keep if self._keep is not None else self._mmap  # type: ignore[attr-defined]
+        self.view = memoryview(whole).cast("B")
         # sorted, coalesced free extents: offsets and sizes
         self.free_offsets: list[int] = [0]
         self.free_sizes: list[int] = [nbytes]
@@ -147,12 +153,12 @@ class Slot:
     chunk: _Chunk
     offset: int
     nbytes: int  # bytes reserved (aligned)
-    buf: Any = field(default=None, repr=False)  # the ctypes array every view of this slot exports from
     leases: int = 0  # leases not released yet (under the arena's lock)
     freed: bool = False  # given back while leased: reused once ``leases`` is 0
 
     def view(self, nbytes: int | None = None) -> memoryview:
-        return memoryview(self.buf).cast("B")[: self.nbytes if nbytes is None else nbytes]
+        end = self.offset + (self.nbytes if nbytes is None else min(nbytes, self.nbytes))
+        return self.chunk.view[self.offset : end]
 
     @property
     def address(self) -> int:
@@ -368,10 +374,7 @@ class HostArena:
         return size <= self.chunk_bytes or self.reserved_bytes + size <= self.capacity_bytes
 
     def _slot(self, chunk: _Chunk, offset: int, nbytes: int) -> Slot:
-        slot = Slot(chunk, offset, nbytes)
-        slot.buf = (ctypes.c_ubyte * nbytes).from_address(chunk.base + offset)
-        slot.buf._chunk = chunk  # views keep the chunk's memory mapped (not the slot's bytes unchanged)
-        return slot
+        return Slot(chunk, offset, nbytes)
 
     def free(self, slot: Slot) -> None:
         """Give a slot back: reused at once, or (while leased) once its last lease is released."""

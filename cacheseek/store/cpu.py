@@ -117,7 +117,7 @@ class CpuTier(MemoryTier):
                         self._arena.free(slot)
                         raise
                     sealed = frame.sealed and frame.host is not None
-                    self._records[key] = rec = _Record(slot, frame.meta, sealed, landing)
+                    self._records[key] = rec = _Record(slot, frame.meta.without_packed_header(), sealed, landing)
                     if landing is not None:
                         self._landing[key] = rec
                         copies = landing
@@ -434,7 +434,7 @@ class CpuTier(MemoryTier):
                         result.error = self._no_room(meta.nbytes)
                     self._stats.write_errors += not isinstance(result.error, Spared)
                     continue
-                self._records[key] = rec = _Record(slot, meta, sealed, landing)
+                self._records[key] = rec = _Record(slot, meta.without_packed_header(), sealed, landing)
                 if landing is not None:
                     self._landing[key] = rec
                 self._index.add(key, _info(meta))

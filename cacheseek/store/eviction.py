@@ -80,8 +80,10 @@ class EvictionIndex(ABC):
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
         self._entries: dict[bytes, BlockInfo] = {}
-        # parent hash -> its children stored here (insertion-ordered), for leaf-first victims
-        self._kids: dict[bytes, dict[bytes, None]] = {}
+        # parent hash -> its children stored here (insertion-ordered), for leaf-first victims:
+        # a lone child (most parents, in chains) in a tuple, a dict from the second one on (a
+        # one-key dict per parent cost ~270 bytes a block)
+        self._kids: dict[bytes, tuple[bytes] | dict[bytes, None]] = {}
         self.used_bytes = 0  # of the blocks' charges (``BlockInfo.charge``): what the budget counts
         self.frame_bytes = 0  # of the frames themselves
         self.raw_bytes = 0
@@ -173,14 +175,20 @@ class EvictionIndex(ABC):
         if info.position:
             kids = self._kids.get(info.parent)
             if kids is None:
-                self._kids[info.parent] = {key: None}
+                self._kids[info.parent] = (key,)
+            elif isinstance(kids, tuple):
+                if kids[0] != key:
+                    self._kids[info.parent] = {kids[0]: None, key: None}
             else:
                 kids[key] = None
 
     def _unlink(self, key: bytes, info: BlockInfo) -> None:
         if info.position:
             kids = self._kids.get(info.parent)
-            if kids is not None:
+            if isinstance(kids, tuple):
+                if kids[0] == key:
+                    del self._kids[info.parent]
+            elif kids is not None:
                 kids.pop(key, None)
                 if not kids:
                     del self._kids[info.parent]

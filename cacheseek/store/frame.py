@@ -99,7 +99,9 @@ class TensorEntry:
 
 @dataclass(frozen=True, slots=True)
 class FrameMeta:
-    """A parsed (or planned) frame header plus where its payload sits."""
+    """A parsed (or planned) frame header plus where its payload sits. ``layout``,
+    ``codec`` and ``tensors`` are shared by the metas of one configuration (the blocks of a
+    model): never change ``codec`` in place."""
 
     block_hash: bytes
     parent_hash: bytes
@@ -113,8 +115,9 @@ class FrameMeta:
     header_nbytes: int
     version: int = FORMAT_VERSION
     payload_offset: int = field(init=False, compare=False)
-    # The packed header, saved to avoid packing it twice per block, and the per-frame fields
-    # it was packed from: a copy made with other values (dataclasses.replace) ignores it.
+    # The packed header of a planned frame, saved to avoid packing it twice per block, and
+    # the per-frame fields it was packed from: a copy made with other values
+    # (dataclasses.replace) ignores it. None in a parsed one, whose header is in its frame.
     packed_header: bytes | None = field(default=None, compare=False, repr=False)
     packed_for: tuple | None = field(default=None, compare=False, repr=False)
 
@@ -129,6 +132,13 @@ class FrameMeta:
     def cached_header(self) -> bytes | None:
         """The packed header if it still describes this frame."""
         return self.packed_header if self.packed_for == self._varying() else None
+
+    def without_packed_header(self) -> FrameMeta:
+        """This meta without its packed header: what a tier keeps for as long as it holds
+        the block, once the header is written into the frame (~340 bytes a block less)."""
+        if self.packed_header is None:
+            return self
+        return replace(self, packed_header=None, packed_for=None)
 
     @property
     def nbytes(self) -> int:
@@ -154,7 +164,8 @@ class FrameMeta:
             "pos": self.position,
             "layout": self.layout.to_dict(),
             "block_tokens": self.block_tokens,
-            "codec": self.codec,
+            # a copy: one codec map is shared by every meta of a configuration, planned or parsed
+            "codec": dict(self.codec),
             "tensors": [
                 {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset, "nbytes": e.nbytes}
                 for e in self.tensors
@@ -396,13 +407,48 @@ def _parse_header(data: Any) -> FrameMeta:
         _expect(end <= payload_nbytes, "{}: runs past the payload", what)
         entries.append(TensorEntry(name, dtype, shape, offset, nbytes))
     _expect(payload_nbytes == end, "payload_nbytes {} is not where the last tensor ends ({})", payload_nbytes, end)
+    position = _int(h["pos"], "pos")
+    layout, block_tokens, codec, tensors, payload_nbytes = _shared_fixed(header_bytes, h, position, (
+        layout, _int(h["block_tokens"], "block_tokens", 1, 1 << 24), h["codec"], tuple(entries), payload_nbytes))
+    # No packed header kept: a parsed frame's header lies in the frame already, and a tier
+    # keeps the meta as long as the block (a copy of the header in each was ~340 bytes a block).
     return FrameMeta(
-        block_hash=h["hash"], parent_hash=h["parent"],
-        position=_int(h["pos"], "pos"), layout=layout,
-        block_tokens=_int(h["block_tokens"], "block_tokens", 1, 1 << 24), codec=h["codec"],
-        tensors=tuple(entries), payload_nbytes=payload_nbytes, checksum=h["checksum"], header_nbytes=header_len,
-        packed_header=bytes(header_bytes),
+        block_hash=h["hash"], parent_hash=h["parent"], position=position, layout=layout, block_tokens=block_tokens,
+        codec=codec, tensors=tensors, payload_nbytes=payload_nbytes, checksum=h["checksum"], header_nbytes=header_len,
     )
+
+
+# The fixed fields of the headers parsed lately, by their packed bytes: every block of a
+# model parses to one shared layout, codec and tensor table, which a tier keeps per block
+# for as long as it holds the block (fresh copies cost ~1.1 KiB a block). Bounded: a few
+# configurations each in practice; headers from elsewhere may hold anything.
+_SHARED: dict[bytes, tuple] = {}
+_SHARED_MAX = 64
+_SHARED_MAX_NBYTES = 4096
+
+
+def _shared_fixed(header_bytes: memoryview, h: dict[str, Any], position: int, fixed: tuple) -> tuple:
+    """``fixed`` (the header's layout, block_tokens, codec, tensors and payload_nbytes, parsed
+    and checked), or the equal values of an earlier header whose fixed fields were packed
+    byte for byte alike."""
+    # Only a header laid out as this library packs one (replan_frame's order: the per-block
+    # fields around the fixed ones, the checksum last) is keyed by its middle bytes: those
+    # are then exactly the fixed fields, which the same bytes always parse to.
+    head = _varying_head(h["v"], h["hash"], h["parent"], position)
+    tail = _CHECKSUM_FIELD + _pack_small(h["checksum"])
+    n = header_bytes.nbytes
+    if (n - len(head) - len(tail) <= _SHARED_MAX_NBYTES and next(reversed(h)) == "checksum"
+            and header_bytes[: len(head)] == head and header_bytes[n - len(tail) :] == tail):
+        middle = bytes(header_bytes[len(head) : n - len(tail)])
+        shared = _SHARED.get(middle)
+        if shared is not None:
+            fixed = shared
+        else:
+            if len(_SHARED) >= _SHARED_MAX:
+                # (no lock: two threads may take the same oldest one; the second finds it gone)
+                _SHARED.pop(next(iter(_SHARED), b""), None)
+            _SHARED[middle] = fixed
+    return fixed
 
 
 def parse_frame(data: Any, *, verify: bool = True, payload_digest: bytes | None = None) -> FrameMeta:
