@@ -28,6 +28,9 @@ SETTINGS = {f"CACHESEEK_{name.upper()}" for name in ServerSettings.model_fields}
 # sizes docs/operations.md's "Memory for the disk index" sizes the Kubernetes example for).
 DISK_INDEX_BYTES_PER_BLOCK = 1126
 DISK_INDEX_FRAME_BYTES = 64 << 10
+# What a CPU-tier block costs beside its frame, which cpu_bytes does not count: ~1.6 KiB
+# (docs/operations.md's "Memory for the CPU tier's blocks"), over frames of 64 KiB or more.
+CPU_BLOCK_BYTES = 1638
 
 # The fields of a ServiceMonitor (monitoring.coreos.com/v1) these manifests use, as its CRD
 # defines them: no Kubernetes schema covers a custom resource.
@@ -108,10 +111,12 @@ def test_workloads_are_wired_and_sized_from_their_tier_settings():
         reserve = min(cpu // 8, 1 << 30)
         request = parse_size(c["resources"]["requests"]["memory"].replace("Mi", "MiB").replace("Gi", "GiB"))
         disk = parse_size(env.get("CACHESEEK_DISK_BYTES") or "0")
-        # the tier, its reserve, the process, and the disk tier's index (docs/operations.md,
-        # "Memory for the disk index": ~1.1 KiB a block, frames of 64 KiB or more assumed)
+        # the tier, its reserve, its blocks' own memory, the process, and the disk tier's index
+        # (docs/operations.md, "Memory for the CPU tier's blocks" and "Memory for the disk
+        # index": ~1.6 and ~1.1 KiB a block, frames of 64 KiB or more assumed)
         index = disk // DISK_INDEX_FRAME_BYTES * DISK_INDEX_BYTES_PER_BLOCK
-        assert request >= cpu + reserve + (1 << 30) + index, (request, cpu, index)
+        blocks = cpu // DISK_INDEX_FRAME_BYTES * CPU_BLOCK_BYTES
+        assert request >= cpu + reserve + blocks + (1 << 30) + index, (request, cpu, blocks, index)
         if disk:
             (claim,) = w["spec"]["volumeClaimTemplates"]
             volume = parse_size(claim["spec"]["resources"]["requests"]["storage"].replace("Gi", "GiB"))
