@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -425,6 +426,7 @@ def _parse_header(data: Any) -> FrameMeta:
 _SHARED: dict[bytes, tuple] = {}
 _SHARED_MAX = 64
 _SHARED_MAX_NBYTES = 4096
+_SHARED_LOCK = threading.Lock()
 
 
 def _shared_fixed(header_bytes: memoryview, h: dict[str, Any], position: int, fixed: tuple) -> tuple:
@@ -444,10 +446,12 @@ def _shared_fixed(header_bytes: memoryview, h: dict[str, Any], position: int, fi
         if shared is not None:
             fixed = shared
         else:
-            if len(_SHARED) >= _SHARED_MAX:
-                # (no lock: two threads may take the same oldest one; the second finds it gone)
-                _SHARED.pop(next(iter(_SHARED), b""), None)
-            _SHARED[middle] = fixed
+            # (locked: ``next(iter())`` over a dict another thread is inserting into raises
+            # RuntimeError, and headers from elsewhere may churn it)
+            with _SHARED_LOCK:
+                if len(_SHARED) >= _SHARED_MAX:
+                    _SHARED.pop(next(iter(_SHARED)))
+                _SHARED[middle] = fixed
     return fixed
 
 
