@@ -11,6 +11,7 @@ pins or frees. ``TieredStore`` applies those keys to its tiers.
 
 from __future__ import annotations
 
+import heapq
 import math
 import threading
 import time
@@ -37,6 +38,10 @@ class PinTable:
         self._lock = threading.Lock()
         self._pins: dict[bytes, Pin] = {}
         self._covers: dict[bytes, int] = {}  # key -> how many pins cover it
+        # (expires_at, key) of every pin with an expiry, soonest first. An entry whose pin was
+        # unpinned or pinned again since is stale, and dropped when it comes up (or in a
+        # rebuild): finding the next expiry scanned every pin on each pin and unpin.
+        self._expiries: list[tuple[float, bytes]] = []
         self.next_expiry: float | None = None
 
     def add(self, keys: Sequence[bytes], *, ttl_seconds: float | None = None,
@@ -72,6 +77,8 @@ class PinTable:
                 pin = Pin(keys[-1], tuple(keys), since, expires_at)
                 newly = self._cover(pin.keys, +1)
             self._pins[pin.key] = pin
+            if expires_at is not None and (old is None or old.expires_at != expires_at):
+                heapq.heappush(self._expiries, (expires_at, pin.key))
             self._next()
         return pin, newly
 
@@ -90,8 +97,11 @@ class PinTable:
             if self.next_expiry is None or now < self.next_expiry:
                 return []
             freed: list[bytes] = []
-            for key, pin in list(self._pins.items()):
-                if pin.expires_at is not None and pin.expires_at <= now:
+            heap = self._expiries
+            while heap and heap[0][0] <= now:
+                _, key = heapq.heappop(heap)
+                pin = self._pins.get(key)
+                if pin is not None and pin.expires_at is not None and pin.expires_at <= now:
                     del self._pins[key]
                     freed += self._cover(pin.keys, -1)
             self._next()
@@ -130,9 +140,21 @@ class PinTable:
                 changed.append(key)
         return changed
 
+    def _stale(self, entry: tuple[float, bytes]) -> bool:
+        pin = self._pins.get(entry[1])
+        return pin is None or pin.expires_at != entry[0]
+
     def _next(self) -> None:
-        expiries = [p.expires_at for p in self._pins.values() if p.expires_at is not None]
-        self.next_expiry = min(expiries) if expiries else None
+        heap = self._expiries
+        # Stale entries (pins made again with another expiry, or unpinned) are dropped in one
+        # pass once they outnumber the pins, so the heap stays within about twice the pins. A
+        # set: a pin unpinned and made again with its old expiry has two live entries.
+        if len(heap) > 2 * len(self._pins) + 16:
+            heap[:] = list({entry for entry in heap if not self._stale(entry)})
+            heapq.heapify(heap)
+        while heap and self._stale(heap[0]):
+            heapq.heappop(heap)
+        self.next_expiry = heap[0][0] if heap else None
 
 
 __all__ = ["Pin", "PinTable"]
