@@ -70,6 +70,8 @@ class AdminOps:
         # and the chain stayed unpinned once Redis was back.
         self._unrestored: dict[bytes, dict[str, Any]] = {}
         self._chains_gone = 0  # pins of the file whose chains were no longer stored
+        # stored key -> ((pinned_at, expires_at), its pins file entry as encoded for them)
+        self._encoded: dict[bytes, tuple[tuple[float, float | None], str]] = {}
         self._stop = threading.Event()
         self._retrying: threading.Thread | None = None
 
@@ -432,26 +434,39 @@ class AdminOps:
         it would be."""
         # The names of pins that expired go too: nothing else forgets them, and a pin made
         # with a TTL each time a prefix ran hot grew this table (and each save) for good.
-        expired = [key for key in self._pins if self.store.pin_table.get(key) is None]
-        for key in expired:
+        table = self.store.pin_table
+        live = {key: pin for key in self._pins if (pin := table.get(key)) is not None}
+        for key in [key for key in self._pins if key not in live]:
             del self._pins[key]
         if self._path is None:
             return None
-        entries = []
-        for key, named in self._pins.items():
-            pin = self.store.pin_table.get(key)
-            if pin is not None:
-                entries.append({**named, "pinned_at": pin.pinned_at, "expires_at": pin.expires_at})
-        entries += [entry for key, entry in self._unrestored.items() if key not in self._pins]
+        # Each entry is encoded once, and again only when its pin changes: a save encoded
+        # every live pin, with json's pure-Python encoder (``indent``), ~5 us per live pin on
+        # each pin and unpin (82% of a pin at 3,000 pins). Compact, the same version and
+        # fields: the file is what json.dumps writes for it, and any release reads it.
+        encoded = self._encoded
+        parts = []
+        for key, pin in live.items():
+            known = encoded.get(key)
+            if known is None or known[0] != (pin.pinned_at, pin.expires_at):
+                text = json.dumps({**self._pins[key], "pinned_at": pin.pinned_at, "expires_at": pin.expires_at},
+                                  separators=(",", ":"))
+                known = encoded[key] = ((pin.pinned_at, pin.expires_at), text)
+            parts.append(known[1])
+        if len(encoded) > 2 * len(live) + 16:  # (those of pins gone since)
+            self._encoded = {key: encoded[key] for key in live}
+        parts += [json.dumps(entry, separators=(",", ":")) for key, entry in self._unrestored.items()
+                  if key not in self._pins]
         if lost := self.store.lost_tiers():  # (the directory there now is not this server's to write in)
             log.warning("pins not saved to %s: %s (a restart keeps only those of the last save)", self._path,
                         "; ".join(f"the {name} tier's directory was {why} under the running server"
                                   for name, why in lost.items()))
             return False
+        text = f'{{"version":{FILE_VERSION},"pins":[{",".join(parts)}]}}'
         tmp = self._path.with_name(f"{PINS_FILE}.{secrets.token_hex(4)}.tmp")
         try:
             with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-                json.dump({"version": FILE_VERSION, "pins": entries}, f, indent=1)
+                f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
             replace_durably(tmp, self._path)
