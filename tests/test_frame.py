@@ -335,3 +335,19 @@ def test_head_version_reads_the_version_from_a_values_first_bytes_alone():
     assert head_version(head + b"\x81\xa1v\xcd\x01\x00") is None  # (a version past a fixint)
     assert head_version(b"XXXX" + bytes(20)) is None and head_version(b"") is None
     assert head_version(bytes(data[: PREAMBLE.size + 2])) is None  # (cut short)
+
+
+def test_a_model_in_use_keeps_its_shared_header_through_many_configurations_seen_once():
+    # Frames of configurations seen once (rejected ones, another writer's) pass through the
+    # shared headers without pushing out the model whose frames keep coming: a hit is the
+    # most recent, and 64 others since its last frame (not since its first) are what it takes.
+    def frame(block_tokens, seed):
+        meta = plan_frame(block_hash=bytes([seed % 251]) * 16, parent_hash=b"\x02" * 16, position=1, layout=LAYOUT,
+                          block_tokens=block_tokens, codec={"name": "raw"}, buffers=[("kv", "uint8", (64,))])
+        return build_frame(meta, [bytes(64)])
+
+    first = parse_frame(frame(32, 0))
+    for n in range(1, 200):
+        parse_frame(frame(1000 + n, n))  # another configuration, seen once
+        if n % 16 == 0:
+            assert parse_frame(frame(32, n)).codec is first.codec

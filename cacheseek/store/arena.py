@@ -157,7 +157,7 @@ class Slot:
     freed: bool = False  # given back while leased: reused once ``leases`` is 0
 
     def view(self, nbytes: int | None = None) -> memoryview:
-        end = self.offset + (self.nbytes if nbytes is None else min(nbytes, self.nbytes))
+        end = self.offset + (self.nbytes if nbytes is None else min(max(nbytes, 0), self.nbytes))  # (within the slot)
         return self.chunk.view[self.offset : end]
 
     @property

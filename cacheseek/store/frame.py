@@ -139,7 +139,10 @@ class FrameMeta:
         the block, once the header is written into the frame (~340 bytes a block less)."""
         if self.packed_header is None:
             return self
-        return replace(self, packed_header=None, packed_for=None)
+        # (the constructor, not ``dataclasses.replace``: half the cost, on every put of a block)
+        return FrameMeta(self.block_hash, self.parent_hash, self.position, self.layout, self.block_tokens,
+                         self.codec, self.tensors, self.payload_nbytes, self.checksum, self.header_nbytes,
+                         self.version)
 
     @property
     def nbytes(self) -> int:
@@ -218,10 +221,10 @@ def replan_frame(meta: FrameMeta, *, block_hash: bytes, parent_hash: bytes, posi
     if middle is None:
         head = len(_varying_head(meta.version, meta.block_hash, meta.parent_hash, meta.position))
         middle = header[head : len(header) - len(_CHECKSUM_FIELD) - len(_pack_small(meta.checksum))]
-        if len(_MIDDLES) >= 256:
-            # (no lock: two threads may take the same oldest one; the second finds it gone)
-            _MIDDLES.pop(next(iter(_MIDDLES), b""), None)
-        _MIDDLES[header] = middle
+        with _SHARED_LOCK:  # (see ``_shared_fixed``)
+            if len(_MIDDLES) >= 256:
+                _MIDDLES.pop(next(iter(_MIDDLES)))
+            _MIDDLES[header] = middle
     header = b"".join((_varying_head(meta.version, block_hash, parent_hash, position), middle, _UNSEALED_TAIL))
     return FrameMeta(block_hash=block_hash, parent_hash=parent_hash, position=position,
                      layout=meta.layout, block_tokens=meta.block_tokens, codec=meta.codec, tensors=meta.tensors,
@@ -442,16 +445,17 @@ def _shared_fixed(header_bytes: memoryview, h: dict[str, Any], position: int, fi
     if (n - len(head) - len(tail) <= _SHARED_MAX_NBYTES and next(reversed(h)) == "checksum"
             and header_bytes[: len(head)] == head and header_bytes[n - len(tail) :] == tail):
         middle = bytes(header_bytes[len(head) : n - len(tail)])
-        shared = _SHARED.get(middle)
-        if shared is not None:
-            fixed = shared
-        else:
-            # (locked: ``next(iter())`` over a dict another thread is inserting into raises
-            # RuntimeError, and headers from elsewhere may churn it)
-            with _SHARED_LOCK:
-                if len(_SHARED) >= _SHARED_MAX:
-                    _SHARED.pop(next(iter(_SHARED)))
-                _SHARED[middle] = fixed
+        # Least recently parsed out first, a hit moved to the end: frames of configurations
+        # seen once (rejected ones, another writer's) pass through without pushing out the
+        # models in use. Locked: ``next(iter())`` over a dict another thread is inserting
+        # into raises RuntimeError.
+        with _SHARED_LOCK:
+            shared = _SHARED.pop(middle, None)
+            if shared is not None:
+                fixed = shared
+            elif len(_SHARED) >= _SHARED_MAX:
+                _SHARED.pop(next(iter(_SHARED)))
+            _SHARED[middle] = fixed
     return fixed
 
 
