@@ -12,7 +12,8 @@ nothing either; it keeps its own attribution, fed by the store's residency event
   block is written to Redis with, read in the same round trip as its frame), where this
   process knows the names behind the tag: an owner's it attributes, or those of a request
   it served (``heard``: a read in a namespace and model brings that namespace's blocks up,
-  whichever replica wrote them);
+  whichever replica wrote them); the root of a chain so attributed is kept as a writer's
+  is, so its copies on disk are attributed again after a restart;
 - any other block (recovered from disk, promoted with a tag not known here, a write that
   lost the announcement) inherits from its chain: a block at position 0 from its *root* (its parent
   hash as stored, which is the client's root masked by the namespace: one per namespace,
@@ -302,15 +303,30 @@ class Owners:
             self._heard[(namespace, model)] = tag
             self._heard_tags[tag] = (namespace, model)
 
-    def came_with(self, tagged: Iterable[tuple[bytes, str]]) -> None:
+    def came_with(self, tagged: Iterable[tuple[bytes, str]], heads: Iterable[tuple[bytes, str]] = ()) -> None:
         """Blocks a shared tier's read found, each with the owner tag it was written with,
         about to be promoted: ``appeared`` attributes them by it (the one round trip that read
-        the frames read the tags)."""
+        the frames read the tags). ``heads``: (stored root, tag) of those at position 0. A
+        tag kept only here was gone at a restart: the copies on disk came back nobody's, and
+        a flush of their namespace passed them by once another replica's flush had taken
+        Redis's. So a root a tag names an owner of is kept as a writer's is (the file saved
+        here, with no tier's lock held), and ``adopt`` attributes the chain under it again."""
+        new_root = False
         with self._lock:
             for key, tag in tagged:
                 self._came[key] = tag
             while len(self._came) > self.max_left:
                 del self._came[next(iter(self._came))]
+            for root, tag in heads:
+                owner = self._owner_of(tag)
+                if owner is None or owner == UNATTRIBUTED or self._roots.get(root) == owner:
+                    continue
+                if root not in self._roots and not self._room_for_root(owner):
+                    continue
+                self._keep_root(root, owner)
+                new_root = True
+        if new_root:
+            self._save()
 
     def _owner_of(self, tag: str) -> int | None:
         """(Under the lock.) The owner a tag names, made if its names were heard; None if this

@@ -208,6 +208,32 @@ def test_a_block_promoted_from_redis_is_its_owner_tags_and_keeps_the_tag_it_cann
     assert len(owners._came) == 4
 
 
+def test_the_root_of_a_chain_promoted_with_its_owner_tag_is_kept_in_the_owners_file(tmp_path):
+    """A tag was kept in memory only: after a restart the chain's copies on disk were nobody's
+    (the file named no root of a chain this process never wrote). Now the root of a head that
+    came with a tag naming an owner is saved, and the recovered chain is attributed through
+    it; one of a tag whose names were never heard is not (nothing to name it by)."""
+    from cacheseek.store.tier import BlockInfo
+    from server.namespaces import Namespaces
+    from server.owners import Owners
+
+    names = Namespaces(b"s" * 32)
+    owners = Owners(tmp_path)
+    owners.tagger = names.owner_tag
+    head, tail, stray = b"h" * 16, b"t" * 16, b"s" * 16
+    root, other_root = b"r" * 16, b"q" * 16
+    owners.heard("x", "m")
+    owners.came_with([(head, names.owner_tag("x", "m")), (stray, names.owner_tag("x", "other"))],
+                     [(root, names.owner_tag("x", "m")), (other_root, names.owner_tag("x", "other"))])
+    held = [(head, BlockInfo(nbytes=100, raw_nbytes=400, parent=root, position=0)),
+            (stray, BlockInfo(nbytes=100, raw_nbytes=400, parent=other_root, position=0)),
+            (tail, BlockInfo(nbytes=100, raw_nbytes=400, parent=head, position=1))]
+
+    again = Owners(tmp_path)  # a restart over the same disk
+    again.adopt(held)
+    assert [again.owner_of(k) for k, _ in held] == [("x", "m"), (None, ""), ("x", "m")]
+
+
 def test_a_block_written_again_while_a_flush_deletes_it_keeps_its_owner_as_it_moves_down():
     """A write-back server: an admin flush deletes a block, and before the flush has
     settled its bookkeeping a client writes the block again and the write-back moves that

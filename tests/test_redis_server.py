@@ -606,6 +606,44 @@ def test_a_replica_restarted_without_a_disk_reads_back_its_blocks_under_their_ow
         redis.kill()
 
 
+def test_a_replica_with_a_disk_keeps_the_owner_of_blocks_it_read_from_redis_across_a_restart(tmp_path):
+    """B (CPU, disk and Redis) reads a chain A wrote: its copies are counted under the tag
+    they came with, but the tag was kept only in memory, and the owners file named no root
+    of the chain (B never wrote it). After B restarted over its disk, they were nobody's, so
+    the flush of every replica, A first, left B serving them: A's flush took Redis's copies
+    and tags, and B's answered 404. Now the root a tag named an owner of is kept in the
+    owners file, and the chain recovered from disk is attributed through it."""
+    from server_helpers import raw_chain
+
+    def tiers(c: httpx.Client) -> dict[str, int]:
+        return {t["name"]: t["blocks"] for t in c.get("/v1/stats").json()["tiers"]}
+
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        chain = raw_chain(105, 5)
+        with Server(tmp_path / "a", "--admin-token", "adm", disk=False, env=_env(redis)) as a, \
+                httpx.Client(base_url=a.url, timeout=10) as ca:
+            _put_chain(ca, chain, "x", "m")
+            with Server(tmp_path / "b", "--admin-token", "adm", env=_env(redis)) as b, \
+                    httpx.Client(base_url=b.url, timeout=10) as cb:
+                assert _read_chain(cb, chain, "x", "m") == 200
+                assert _usage(cb) == [("x", "m", 5)] and tiers(cb)["disk"] == 5
+            with Server(tmp_path / "b", "--admin-token", "adm", env=_env(redis)) as b, \
+                    httpx.Client(base_url=b.url, timeout=10) as cb:
+                assert tiers(cb) == {"cpu": 0, "disk": 5, "redis": 5}
+                assert _usage(cb) == [("x", "m", 5)]
+                r = ca.post("/v1/admin/flush", params={"namespace": "x"}, headers=ADMIN)
+                assert r.status_code == 200 and r.json()["deleted_blocks"] == 5, r.text
+                r = cb.post("/v1/admin/flush", params={"namespace": "x"}, headers=ADMIN)
+                assert r.status_code == 200 and r.json()["deleted_blocks"] == 5, r.text
+                assert _read_chain(cb, chain, "x", "m") == 404 and _served(cb, chain, "x") == [404] * 5
+                assert _usage(cb) == []
+                _no_500(a)
+                _no_500(b)
+    finally:
+        redis.kill()
+
+
 def test_a_flush_takes_the_blocks_evicted_from_the_cpu_tier_into_redis_alone(tmp_path):
     """A tenant's chain written through a small CPU tier, then pushed out of it by another
     tenant's writes: Redis alone held it, no local index named it, and a flush of the

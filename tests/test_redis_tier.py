@@ -3282,3 +3282,100 @@ def test_a_maxmemory_below_the_budgets_need_or_an_allkeys_policy_is_reported(tmp
     finally:
         tier.close()
         srv.kill()
+
+
+class _SteppedPipeline:
+    """A pipeline whose commands are sent one at a time, ``between(i)`` run after the i-th:
+    another client's commands landing between a non-transactional pipeline's, as Redis allows."""
+
+    def __init__(self, inner, between):
+        self.inner, self.between = inner, between
+
+    def execute(self, raise_on_error=True):
+        client, stack, out = self.inner.inner_client, list(self.inner.command_stack), []
+        self.inner.reset()
+        for i, (args, options) in enumerate(stack):
+            try:
+                out.append(client.execute_command(*args, **options))
+            except Exception as exc:  # (in place, as the pipeline answers with raise_on_error=False)
+                out.append(exc)
+            self.between(i)
+        return out
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class _SteppedClient:
+    def __init__(self, inner, between):
+        self.inner, self.between = inner, between
+
+    def pipeline(self, *args, **kwargs):
+        pipe = self.inner.pipeline(*args, **kwargs)
+        pipe.inner_client = self.inner
+        return _SteppedPipeline(pipe, self.between)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_read_racing_a_delete_never_finds_a_frame_without_its_owner_tag(redis_url, monkeypatch):
+    """Another process deletes a block (its frame, then its owner tag) while a read's pipeline
+    is half sent. The read asked for the frames first and the tags after, so it could find the
+    frame and not its tag: the block was promoted nobody's, and a flush of its namespace on
+    this replica passed it by. Now the tags are asked first: a frame found comes with its tag
+    (or, the delete having landed first, is not found)."""
+    tier = RedisTier(redis_url, 64 << 20)
+    tier.owner_tag = lambda key: "tenA"
+    told: list[tuple[bytes, str]] = []
+    tier.tags_read = lambda found, *heads: told.extend(found)
+    key, frame = _frame(80)
+    other = tier._connection()
+    try:
+        tier.put_many([(key, frame)])
+
+        def delete_after_first(i: int) -> None:
+            if i == 0:
+                other.delete(tier.keys_of.frame(key))
+                other.hdel(tier.keys_of.owners, RedisKeys.member(key))
+
+        monkeypatch.setattr(tier, "_connection", lambda: _SteppedClient(other, delete_after_first))
+        got = tier.get_many([key])
+        assert got[0] is None or told == [(key, "tenA")], (got, told)
+    finally:
+        tier.close()
+
+
+def test_a_read_gets_its_frames_when_redis_cannot_answer_for_the_owner_tags(redis_url, monkeypatch):
+    """The owner tags are one hash, so on one node of a cluster: its slot moving, or its node
+    down, answered the HMGET with an error of the kind that means unavailable, and the whole
+    read failed with it (every block a miss and a read error) though the frames' nodes had
+    answered. Now the tags are set aside first: such an error is "no tags", the frames stand."""
+    tier = RedisTier(redis_url, 64 << 20)
+    tier.owner_tag = lambda key: "tenA"
+    told: list = []
+    tier.tags_read = lambda found, *heads: told.append(found)
+    frames = [_frame(i) for i in range(81, 84)]
+    try:
+        tier.put_many(frames)
+        real = tier._connection()
+
+        class TagsNodeDown:
+            def pipeline(self, *args, **kwargs):
+                pipe = real.pipeline(*args, **kwargs)
+                # (Redis itself answers the error: a script's reply of MASTERDOWN, in HMGET's place.)
+                pipe.hmget = lambda name, keys: pipe.eval("return redis.error_reply('MASTERDOWN node of the tags')", 0)
+                return pipe
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        monkeypatch.setattr(tier, "_connection", lambda: TagsNodeDown())
+        got = tier.get_many([k for k, _ in frames])
+        assert all(f is not None for f in got) and told == []
+        assert tier.stats().extra["read_errors"] == 0
+    finally:
+        tier.close()

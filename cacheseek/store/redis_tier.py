@@ -266,7 +266,8 @@ class RedisTier(Tier):
         # its round trip (one HMGET beside the frames'). A process that did not write a block
         # (another replica did, or this one before a restart) learns its owner so. Called with
         # no lock of this tier held; must be quick.
-        self.tags_read: Callable[[list[tuple[bytes, str]]], None] | None = None
+        # Called with (key, tag) of each, and (stored parent, tag) of those at position 0.
+        self.tags_read: Callable[[list[tuple[bytes, str]], list[tuple[bytes, str]]], None] | None = None
         self.repair_evictions = 0  # blocks the last check(fix=True) evicted
         self._smaller_budget_said = 0  # the last smaller budget of another process logged
         # Blocks whose frame a read (or a put's look at its first bytes) found of another format
@@ -789,10 +790,15 @@ class RedisTier(Tier):
         if absent:
             self._repair_ghosts(absent)
         if told is not None and tags:
-            found = [(key, text) for key, frame, tag in zip(keys, out, tags)
-                     if frame is not None and tag and (text := member_text(tag))]
+            found: list[tuple[bytes, str]] = []
+            heads: list[tuple[bytes, str]] = []
+            for key, frame, tag in zip(keys, out, tags):
+                if frame is not None and tag and (text := member_text(tag)):
+                    found.append((key, text))
+                    if frame.meta.position == 0:
+                        heads.append((frame.meta.parent_hash, text))
             if found:
-                told(found)
+                told(found, heads)
         return out
 
     def _queue_read(self, pipe: Any, name: str) -> None:
@@ -815,18 +821,23 @@ class RedisTier(Tier):
         """The values of frames ``names`` (``_queue_read``), one round trip; an error Redis
         answers for one key comes back in its place (a connection error still raises). With
         ``members`` (the same blocks'), their owner tags too, in the same round trip ([]
-        where Redis answered an error for them: the blocks are read all the same)."""
+        where Redis answered an error for them, whatever the error: the blocks are read all
+        the same; the one hash of tags is on one node, whose slot moving or going down failed
+        every read, frames and all)."""
         pipe = client.pipeline(transaction=False)
+        if members:
+            # Before the frames: a delete takes the frame first and its tag after, so a read
+            # that finds the frame found its tag too (read after, it could find the frame and
+            # not the tag, and the block was promoted nobody's, which a flush passed by).
+            pipe.hmget(self.keys_of.owners, list(members))
         for name in names:
             self._queue_read(pipe, name)
-        if members:
-            pipe.hmget(self.keys_of.owners, list(members))
         replies = pipe.execute(raise_on_error=False)
-        self._raise_unavailable(replies)
         tags: list[Any] = []
         if members:
-            got = replies.pop()
+            got = replies.pop(0)
             tags = got if isinstance(got, list) else []
+        self._raise_unavailable(replies)
         empty = [i for i, r in enumerate(replies) if r == b""] if self.max_frame_bytes is not None else []
         if empty:
             # GETRANGE answers the same for a missing key and an empty value: ask which, on
