@@ -714,7 +714,8 @@ class RemoteCache(PrefixCacheBase):
             # A request with no block to load is a query still (an empty chain, as
             # ``locate_batch`` sends it), unless a ``locate`` counted it: left out, a worker's
             # hit rate counted only its prompts of a block or more.
-            asked = [r for r, n in enumerate(limits) if n or not located]
+            # (A request cut to no token at all is no query: nothing asked, nothing counted.)
+            asked = [r for r, n in enumerate(limits) if n or (tokens[r] and not located)]
             answers: list[dict[str, Any] | None] = [None] * len(asked)
             # The query's length, its partial last block included (as ``materialize`` says it),
             # cut to ``max_tokens``: the hit rate's denominator. Whole blocks only, a paged
@@ -955,8 +956,10 @@ class RemoteCache(PrefixCacheBase):
             tokens = min(tokens, max_tokens)
         try:
             # A prompt under one block (or cut below one) is asked too, as ``locate`` asks it:
-            # the server's hit rate counts a query only from its lookup. Located, it was counted.
-            found: dict[str, Any] = self._lookup(hashes, tokens=tokens, again=located) if hashes or not located \
+            # the server's hit rate counts a query only from its lookup. Located, it was counted;
+            # cut to no token (``max_tokens=0``), it is no query.
+            found: dict[str, Any] = self._lookup(hashes, tokens=tokens, again=located) \
+                if hashes or (tokens and not located) \
                 else {"matched": 0, "tiers": []}
             frames = self._fetch_chain(hashes[: found["matched"]]) if found["matched"] else []
         except RemoteUnavailable:

@@ -1316,6 +1316,11 @@ def test_a_load_of_a_prompt_under_one_block_counts_its_query_as_locate_does(srv)
             "lookup_tokens_matched": 2 * BLOCK}
         # located: counted by its locate already, and nothing to ask
         assert counted(lambda: cache.materialize(short, located=True)) == dict.fromkeys(miss, 0)
+        # cut to no token (an engine's prompt_len - 1 of a one-token prompt): no query, not a
+        # lookup of 0 tokens that lowered lookup_hits / lookups
+        assert counted(lambda: cache.materialize(long, max_tokens=0)) == dict.fromkeys(miss, 0)
+        assert counted(lambda: cache.materialize(long, max_tokens=0, layerwise=True).close()) == dict.fromkeys(miss, 0)
+        assert counted(lambda: cache.materialize_into(long, pages.at(ids), max_tokens=0)) == dict.fromkeys(miss, 0)
         assert counted(lambda: cache.materialize_into_batch([cs.PagedRequest(short, ids)], pages,
                                                             located=True)) == dict.fromkeys(miss, 0)
 
