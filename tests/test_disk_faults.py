@@ -687,3 +687,31 @@ def test_a_block_put_again_while_its_eviction_unlinks_its_files_keeps_its_new_fi
     finally:
         slow.go.set()
         tier.close()
+
+
+def test_a_refit_while_writes_are_in_flight_keeps_the_headroom(tmp_path, monkeypatch):
+    """A refit counted the writes in flight as held, though what they had yet to write was
+    still in the filesystem's free space: counted twice, the budget rose by nearly the bytes
+    in flight, past the headroom (and here past the filesystem's size), and the writes then
+    took that much of it."""
+    from types import SimpleNamespace
+
+    unit, size = 4096, 4 << 20
+    root = tmp_path / "d"
+
+    def free() -> int:  # a filesystem of ``size`` bytes holding the directory's files and nothing else
+        return size - sum(direct_io.round_up(max(p.stat().st_size, 1), unit) for p in root.rglob("*") if p.is_file())
+
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=free() // unit, f_frsize=unit,
+                                                                    f_bsize=unit, f_blocks=size // unit))
+    tier = DiskTier(root, 1 << 40, fsync=False)
+    try:
+        budget = tier.capacity_bytes
+        frames = [raw_frame(i) for i in range(1, 9)]
+        n = tier.charge(frames[0][1].meta.nbytes)
+        claimed = [tier._claim(key, frame, []) for key, frame in frames]  # (claimed, not yet written)
+        tier._refit()
+        assert tier.capacity_bytes <= budget, (tier.capacity_bytes, budget, len(frames) * n)
+        tier._finish([p for p in claimed if isinstance(p, disk._Pending)])
+    finally:
+        tier.close()

@@ -665,8 +665,8 @@ class DiskTier(IndexedTier):
             self.trim()
 
     def _refit(self, *, at_start: bool = False, full: bool = False) -> None:
-        """The budget fitted to the filesystem: the bytes held (and in flight, and being
-        unlinked, all as charged: ``charge``) plus its free space, less a headroom of
+        """The budget fitted to the filesystem: the bytes held (and being unlinked, all as
+        charged: ``charge``) plus its free space, less a headroom of
         ``FREE_SPACE_HEADROOM`` of that sum, at most ``disk_bytes``. ``full``: a
         write just found no room (other writers, the directories: what the headroom did not
         cover), so the budget is what is held now, and the write that goes again evicts for
@@ -683,8 +683,11 @@ class DiskTier(IndexedTier):
         free = 0 if full else st.f_bavail * st.f_frsize
         with self._lock:
             self._fitted_at = time.monotonic()
-            held = self._index.used_bytes + self._others_bytes + self._removing_bytes + (
-                0 if at_start else self._reserved)
+            # (not the writes in flight: what they have yet to write is still in ``free``, and
+            # counted in both, a refit under load raised the budget by nearly what was in flight,
+            # past the headroom and even the filesystem's size; what they have written is in
+            # neither, until they commit: a budget lower by that much, for a moment)
+            held = self._index.used_bytes + self._others_bytes + self._removing_bytes
             headroom = 0 if full else int((held + free) * FREE_SPACE_HEADROOM)
             room = min(self.requested_bytes, held + free - headroom)
             before = self.capacity_bytes
