@@ -580,14 +580,15 @@ class _SlowUnlink:
     each takes tens of milliseconds) until ``go`` is set; ``released``: whether it was, within
     a bounded wait (a tier that waits for its own unlink then goes on, and fails the test)."""
 
-    def __init__(self, monkeypatch) -> None:
+    def __init__(self, monkeypatch, only: threading.Thread | None = None) -> None:
+        """``only``: held in that thread alone."""
         self.reached, self.go = threading.Event(), threading.Event()
         self.released: bool | None = None
         self.key: bytes | None = None
         real = disk._unlink
 
         def unlink(path: Path) -> None:
-            if path.suffix == ".meta" and not self.reached.is_set():
+            if path.suffix == ".meta" and not self.reached.is_set() and only in (None, threading.current_thread()):
                 self.key = bytes.fromhex(path.stem)
                 self.reached.set()
                 self.released = self.go.wait(10)
@@ -686,6 +687,68 @@ def test_a_block_put_again_while_its_eviction_unlinks_its_files_keeps_its_new_fi
         assert got is not None and bytes(got.to_bytes()) == bytes(frames[victim].to_bytes())
     finally:
         slow.go.set()
+        tier.close()
+
+
+def _full_tier(tmp_path, blocks: int = 4, **kwargs) -> tuple[DiskTier, list, int]:
+    """A tier whose budget is ``blocks`` one-charge blocks, holding them (frames 1 to
+    ``blocks``, the first the least recently used); the frames 1 to 9, and the charge."""
+    frames = [raw_frame(i) for i in range(1, 10)]
+    charge = disk.block_charge(frames[0][1].meta.nbytes, disk.allocation_unit(tmp_path))
+    tier = DiskTier(tmp_path / "d", blocks * charge, fsync=kwargs.pop("fsync", False), **kwargs)
+    for key, frame in frames[:blocks]:
+        tier.put(key, frame)
+    return tier, frames, charge
+
+
+def test_a_delete_racing_an_eviction_of_its_block_syncs_that_evictions_unlinks(tmp_path, monkeypatch):
+    """A delete looked for an eviction of its block, outside the lock, before it took the
+    lock: one beginning between the two (the block out of the index, its files not yet
+    unlinked) left the delete finding the block not held, and nothing owed in its shard; it
+    returned before the eviction's unlinks, which nothing synced, so a power cut brought the
+    block a tenant had deleted back. Here another thread's put evicts the block as soon as the
+    delete first lets the tier's lock go, whatever it did under it."""
+    tier, frames, charge = _full_tier(tmp_path, fsync=True)
+    victim = frames[0][0]
+    assert tier._index.victim(()) == victim
+    deleting = threading.get_ident()
+    # (two frames: room made for both at once, so it evicts even once the delete freed a block)
+    evicting = threading.Thread(target=tier.put_many, args=(frames[4:6],), daemon=True)
+    slow = _SlowUnlink(monkeypatch, only=evicting)
+    real = tier._lock
+
+    class Lock:
+        def acquire(self, *args, **kwargs):
+            return real.acquire(*args, **kwargs)
+
+        def release(self):
+            real.release()
+            if threading.get_ident() == deleting and not evicting.is_alive() and not slow.reached.is_set():
+                evicting.start()  # (its victim: the delete's block, if still held; else the next)
+                assert slow.reached.wait(10)
+
+        __enter__ = acquire
+
+        def __exit__(self, *exc):
+            self.release()
+
+        def locked(self):
+            return real.locked()
+
+    monkeypatch.setattr(tier, "_lock", Lock())
+    try:
+        answer = tier.delete(victim)
+        slow.go.set()
+        evicting.join(10)
+        assert not evicting.is_alive()
+        assert slow.key is not None
+        shard = victim[0]
+        assert tier._synced[shard] == tier._unlinks[shard] > 0, (answer, tier._unlinks[shard], tier._synced[shard])
+        assert not any(p.exists() for p in tier._paths(victim))
+    finally:
+        slow.go.set()
+        evicting.join(10)
+        monkeypatch.setattr(tier, "_lock", real)
         tier.close()
 
 

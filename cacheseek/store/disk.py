@@ -463,15 +463,6 @@ class DiskTier(IndexedTier):
             for removal in removals:
                 removal.done.set()
 
-    def _await_removal(self, key: bytes) -> None:
-        """Wait until no eviction of ``key`` has files left to unlink. Not under the lock."""
-        while True:
-            with self._lock:
-                removal = self._removing.get(key)
-            if removal is None:
-                return
-            removal.done.wait()
-
     @contextmanager
     def _open_call(self) -> Iterator[None]:
         """Around a call that changes the directory (see ``_calls``); ``_Closed`` after ``close``,
@@ -1771,25 +1762,31 @@ class DiskTier(IndexedTier):
         if self._lost is not None:
             return False
         with self._open_call():
-            # (an eviction of it still unlinking: its unlinks are counted, and so synced, once done)
-            self._await_removal(key)
-            with self._lock:
-                held = self._index.get(key) is not None
-                deleted = held or key in self._others  # (another release's copy of the block: it goes too)
-                if deleted:
-                    # Files first, the entry after: a delete that could not remove them
-                    # raises with the block still held, as it is on disk (answered deleted,
-                    # a restart brought it back: a tenant's delete undone).
-                    self._remove_files(key)
-                    if held:
-                        self._index.remove(key)
-                    else:
-                        self._forget_other(key)
-                    self._sync_counts()
-                    if self.fsync:
-                        self._deleted_unsynced[key[0]][key] = self._unlinks[key[0]]
-                owed = {key[0]: self._unlinks[key[0]]}
-                strict = key in self._deleted_unsynced[key[0]]  # (this delete's, or a failed one's)
+            while True:
+                with self._lock:
+                    # An eviction of it still unlinking: waited for, its unlinks are then counted,
+                    # and so synced. Looked at under the lock: one that began after an earlier look
+                    # (the block out of the index, its files still there) was not synced.
+                    if (removal := self._removing.get(key)) is None:
+                        held = self._index.get(key) is not None
+                        deleted = held or key in self._others  # (another release's copy of the block: it goes too)
+                        if deleted:
+                            # Files first, the entry after: a delete that could not remove them
+                            # raises with the block still held, as it is on disk (answered deleted,
+                            # a restart brought it back: a tenant's delete undone).
+                            self._remove_files(key)
+                            if held:
+                                self._index.remove(key)
+                            else:
+                                self._forget_other(key)
+                            self._sync_counts()
+                            if self.fsync:
+                                self._deleted_unsynced[key[0]][key] = self._unlinks[key[0]]
+                        owed = {key[0]: self._unlinks[key[0]]}
+                        strict = key in self._deleted_unsynced[key[0]]  # (this delete's, or a failed one's)
+                if removal is None:
+                    break
+                removal.done.wait()
             if strict:
                 self._sync_unlinks(owed, strict=True)
             else:
