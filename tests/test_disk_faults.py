@@ -701,6 +701,62 @@ def _full_tier(tmp_path, blocks: int = 4, **kwargs) -> tuple[DiskTier, list, int
     return tier, frames, charge
 
 
+def test_a_batch_leaves_no_victim_marked_while_it_waits_on_another_write(tmp_path, monkeypatch):
+    """A batch whose claim evicted a block and then failed (the next victim not read for want
+    of a descriptor) went on to wait for another thread's write of one of its frames with its
+    victim out of the index but its files not yet unlinked: a put of that victim waited on it
+    meanwhile, and where that put was itself the write waited on (a batch holding both
+    blocks), neither ever returned. A call now unlinks its victims before it waits on anyone."""
+    tier, frames, charge = _full_tier(tmp_path)
+    victim = frames[0][0]
+    tier.demote_evicted = True
+    real_read = tier._read_frame
+    reads: list = []
+
+    def read(key, expected=None):
+        reads.append(key)
+        if len(reads) == 2:  # (the second victim, once)
+            raise direct_io.ReadFailed("EMFILE", damaged=False, shortage=True)
+        return real_read(key, expected)
+
+    monkeypatch.setattr(tier, "_read_frame", read)
+    in_flight = disk._InFlight(nbytes=charge)  # another thread's write of frames[4], its room held
+    with tier._lock:
+        tier._writing[frames[4][0]] = in_flight
+        tier._reserved += charge
+    waiting, marked = threading.Event(), []
+    real_await = tier._await
+
+    def await_(key, pending):
+        marked.extend(getattr(tier._doomed, "keys", None) or [])
+        waiting.set()
+        return real_await(key, pending)
+
+    monkeypatch.setattr(tier, "_await", await_)
+    batch: list = []
+    writer = threading.Thread(target=lambda: batch.extend(tier.put_many([frames[4], frames[5]])), daemon=True)
+    again: list = []
+    reput = threading.Thread(target=lambda: again.append(tier.put(*frames[0])), daemon=True)
+    try:
+        writer.start()
+        assert waiting.wait(10)
+        assert reads[0] == victim and not tier.contains(victim)
+        reput.start()
+        reput.join(10)  # (the batch's wait goes on meanwhile: only its victim's unlink was waited for)
+        assert marked == [], [k.hex() for k in marked]
+        assert not reput.is_alive(), "a put of the victim waited on a batch waiting on another write"
+        assert again[0].stored is not None and tier.contains(victim)
+    finally:
+        with tier._lock:
+            del tier._writing[frames[4][0]]
+            tier._reserved -= charge
+        in_flight.done.set()
+        writer.join(10)
+        reput.join(10)
+        tier.close()
+    assert batch[1].error is not None  # (its victim could not be read: refused)
+
+
 def test_a_delete_racing_an_eviction_of_its_block_syncs_that_evictions_unlinks(tmp_path, monkeypatch):
     """A delete looked for an eviction of its block, outside the lock, before it took the
     lock: one beginning between the two (the block out of the index, its files not yet
@@ -749,6 +805,128 @@ def test_a_delete_racing_an_eviction_of_its_block_syncs_that_evictions_unlinks(t
         slow.go.set()
         evicting.join(10)
         monkeypatch.setattr(tier, "_lock", real)
+        tier.close()
+
+
+def test_a_write_beside_another_puts_unlinking_victims_evicts_only_for_itself(tmp_path, monkeypatch):
+    """A put took its room in the same locked section as it evicted for it, and unlinked its
+    victims after: a write meanwhile counted both its room and its victims' bytes (the same
+    room twice), and evicted a block it did not need to, for good. The room is taken once the
+    victims are gone."""
+    tier, frames, charge = _full_tier(tmp_path)
+    slow = _SlowUnlink(monkeypatch)
+    first = threading.Thread(target=tier.put, args=frames[4], daemon=True)
+    try:
+        first.start()
+        assert slow.reached.wait(10)
+        tier.put(*frames[5])
+        slow.go.set()
+        first.join(10)
+        assert not first.is_alive()
+        stats = tier.stats()
+        assert (stats.blocks, stats.evictions) == (4, 2), stats
+        assert tier.contains_many([frames[4][0], frames[5][0]]) == [True, True]
+        assert _charged_on_disk(tier) == stats.used_bytes == tier.capacity_bytes
+    finally:
+        slow.go.set()
+        first.join(10)
+        tier.close()
+
+
+def test_a_write_beside_a_trims_unlinking_victims_evicts_only_for_itself(tmp_path, monkeypatch):
+    """A trim's victims (blocks over a budget lowered, or overshot by concurrent writes)
+    counted as held for other writers until their files were unlinked: a write meanwhile
+    evicted a block more for them, and the tier ended a block under its budget."""
+    tier, frames, charge = _full_tier(tmp_path)
+    tier.close()
+    tier = DiskTier(tmp_path / "d", 3 * charge, fsync=False, trim_at_open=False)  # (4 blocks over a budget of 3)
+    slow = _SlowUnlink(monkeypatch)
+    trim = threading.Thread(target=tier.trim, daemon=True)
+    try:
+        trim.start()
+        assert slow.reached.wait(10)
+        tier.put(*frames[5])
+        slow.go.set()
+        trim.join(10)
+        assert not trim.is_alive()
+        stats = tier.stats()
+        assert (stats.blocks, stats.evictions) == (3, 2), stats
+        assert _charged_on_disk(tier) == stats.used_bytes == tier.capacity_bytes
+    finally:
+        slow.go.set()
+        trim.join(10)
+        tier.close()
+
+
+def test_an_evictions_unlinks_after_the_tier_gave_its_directory_up_leave_the_new_one_alone(tmp_path, monkeypatch):
+    """An eviction's unlinks, outside the lock, went on after the tier gave its directory up
+    (replaced behind its back): they removed the files of the same blocks in the directory
+    there now, another owner's. Each unlink looks first."""
+    tier, frames, charge = _full_tier(tmp_path)
+    root = tmp_path / "d"
+    slow = _SlowUnlink(monkeypatch)
+    batch = threading.Thread(target=tier.put_many, args=(frames[4:6],), daemon=True)  # (evicts two, room made at once)
+    try:
+        batch.start()
+        assert slow.reached.wait(10)
+        victims = [key for key, _ in frames[:2]]
+        assert slow.key in victims and not any(tier.contains_many(victims))
+        os.rename(root, tmp_path / "old")
+        shutil.copytree(tmp_path / "old", root)
+        assert tier.lost() == "replaced by another directory"
+        slow.go.set()  # (the sidecar's unlink under way goes on: it began before)
+        batch.join(10)
+        assert not batch.is_alive()
+        left = [p.name for key in victims for p in tier._paths(key) if p.exists()]
+        assert sorted(left) == sorted(f"{k.hex()}.{s}" for k in victims for s in ("frame", "meta")
+                                      if (k, s) != (slow.key, "meta")), left
+        assert not tier._removing and tier._removing_bytes == 0
+    finally:
+        slow.go.set()
+        batch.join(10)
+        tier.close()
+
+
+class _Interrupt(BaseException):
+    """An interrupt (KeyboardInterrupt, or an exception a signal handler raises)."""
+
+
+def test_an_interrupted_unlink_of_a_victim_leaves_no_put_of_it_waiting(tmp_path, monkeypatch):
+    """An eviction's unlinks cut short by an interrupt (and the try at the end of the call
+    too) left the victim marked as being removed by a thread that might never call the tier
+    again: every other thread's put of it waited for good, and the budget counted its bytes
+    twice. Its files are charged as a block of another version's are, and go when room is
+    needed; a put of it writes over them."""
+    tier, frames, charge = _full_tier(tmp_path)
+    victim = frames[0][0]
+    real = disk._unlink
+    armed = [True]
+
+    def unlink(path: Path) -> None:  # (in the first put alone: in its eviction, then in the call's last try)
+        if path.suffix == ".meta" and armed[0]:
+            raise _Interrupt
+        real(path)
+
+    monkeypatch.setattr(disk, "_unlink", unlink)
+    answers: list = []
+    reput = threading.Thread(target=lambda: answers.append(tier.put(*frames[0])), daemon=True)
+    try:
+        with pytest.raises(_Interrupt):
+            tier.put(*frames[4])
+        armed[0] = False
+        assert not tier.contains(victim)
+        reput.start()
+        reput.join(10)
+        assert not reput.is_alive(), "a put of the victim waits on the interrupted thread"
+        assert answers[0].stored is not None and tier.contains(victim)
+        assert not tier._removing and tier._removing_bytes == 0
+        assert tier.stats().used_bytes + tier._others_bytes <= tier.capacity_bytes
+        tier.put(*frames[5])
+        assert _charged_on_disk(tier) == tier.stats().used_bytes + tier._others_bytes <= tier.capacity_bytes
+    finally:
+        for removal in list(tier._removing.values()):
+            removal.done.set()  # (the old code: the put stuck on it goes on, and the tier closes)
+        reput.join(10)
         tier.close()
 
 

@@ -61,10 +61,12 @@ not synced: a block one brings back after a power cut is whole and valid, a cach
 An eviction takes its victims out of the index under the tier's lock, and unlinks their
 files once it has let the lock go (``_settle_removals``): a lookup takes that lock (in a
 server's event loop), and a batch's victims unlinked under it, on a disk where an unlink
-takes tens of milliseconds, froze every request for seconds. Until a victim's files are
-gone its bytes count as held (other writers evict for them rather than take their room),
-and a put of the block waits for them: its files have the same names, and the late unlink
-would take the new ones.
+takes tens of milliseconds, froze every request for seconds. A write takes the room its
+victims free once their files are gone; until then other writers count them as held (they
+evict for them rather than take their room), but not a trim's victims, which make room for
+blocks already written. A put or delete of such a block waits for them: its files have the
+same names, and the late unlink would take the new ones. A call unlinks its victims before
+it waits on any other thread, and unlinks nothing once the directory is given up (``lost``).
 A delete that cannot remove the block's sidecar (a read-only or failing filesystem, EPERM)
 raises ``StorageError`` and keeps the block held, as it still is on disk; one whose shard
 cannot be synced after raises too (gone, not durably: the shard stays owed, and the next
@@ -207,6 +209,9 @@ class _Removal:
 
     nbytes: int
     done: threading.Event = field(default_factory=threading.Event)
+    # Held for other writers' room (``_removing_elsewhere``): a victim evicted for a write,
+    # until that write takes its room; not a trim's (``_trim``), which makes room for none.
+    counted: bool = True
 
 
 @dataclass(slots=True)
@@ -329,6 +334,7 @@ class DiskTier(IndexedTier):
         # batch's hundreds of unlinks. ``_doomed``: this thread's, not yet unlinked.
         self._removing: dict[bytes, _Removal] = {}
         self._removing_bytes = 0
+        self._removing_counted = 0  # (of those bytes, the ones ``_Removal.counted``)
         self._doomed = threading.local()
         self._reserved = 0
         self._reserved_pinned = 0  # of ``_reserved``: blocks pinned before they arrived
@@ -419,49 +425,80 @@ class DiskTier(IndexedTier):
         return self._reserved + self._removing_elsewhere()
 
     def _removing_elsewhere(self) -> int:
-        """Bytes of evicted blocks whose files other threads have yet to unlink. Under the
-        lock. This thread's own victims are not counted: it unlinks them before it writes
-        (``_settle_removals``), and counted, each eviction loop would give up every block."""
-        return self._removing_bytes - getattr(self._doomed, "nbytes", 0)
+        """Bytes of blocks other threads evicted to make room for a write and have yet to
+        unlink. Under the lock. Such a thread takes the room (``_hold_room``) only once they
+        are gone (``_put_one``): counted beside its reservation, they were the same room
+        twice, and a writer meanwhile evicted a block more. A trim's victims are not counted
+        (``_trim``). This thread's own are not either: it unlinks them before it writes, and
+        counted, each eviction loop would give up every block."""
+        return self._removing_counted - getattr(self._doomed, "counted", 0)
 
-    def _doom(self, key: bytes, nbytes: int) -> None:
+    def _doom(self, key: bytes, nbytes: int, *, counted: bool = True) -> None:
         """Mark ``key``'s files (``nbytes`` charged) for this thread to unlink once it lets the
         lock go (``_settle_removals``). Under the lock, with the block already out of the index
-        (or of ``_others``)."""
+        (or of ``_others``). ``counted``: held for other writers' room meanwhile (a victim
+        evicted for a write: see ``_removing_elsewhere``)."""
         assert key not in self._removing  # (out of the index: no second eviction finds it)
-        self._removing[key] = _Removal(nbytes)
+        removal = self._removing[key] = _Removal(nbytes)
+        removal.counted = counted
         self._removing_bytes += nbytes
         self._doomed.keys = [*getattr(self._doomed, "keys", ()), key]
-        self._doomed.nbytes = getattr(self._doomed, "nbytes", 0) + nbytes
+        if counted:
+            self._removing_counted += nbytes
+            self._doomed.counted = getattr(self._doomed, "counted", 0) + nbytes
+
+    def _doomed_count(self) -> int:
+        """How many blocks this thread has marked and not yet unlinked (``_doom``)."""
+        return len(getattr(self._doomed, "keys", ()))
+
+    def _uncount(self, since: int) -> None:
+        """This thread's victims marked after its first ``since`` no longer count as held
+        for other writers (a trim's: see ``_trim``). Under the lock."""
+        for key in self._doomed.keys[since:] if since < self._doomed_count() else ():
+            removal = self._removing[key]
+            if removal.counted:
+                removal.counted = False
+                self._removing_counted -= removal.nbytes
+                self._doomed.counted -= removal.nbytes
 
     def _settle_removals(self) -> None:
         """Unlink the files of the blocks this thread evicted (``_doom``), outside the lock,
-        then let the puts waiting on them go. Not under the lock. Called wherever a call that
-        evicted lets the lock go, before it writes (its victims' room must be free first), and
-        at the end of every call (``_open_call``), so that none is left marked for good."""
+        then let the puts waiting on them go. Not under the lock. Called in a ``finally``
+        wherever a call that evicted lets the lock go, before it writes (its victims' room
+        must be free first) or waits on another thread (whose put of a victim may be what it
+        waits on: neither went on), and at the end of every call (``_open_call``).
+
+        Once the tier gave its directory up (``lost``) nothing is unlinked: the directory
+        there now is another's, and may hold the same blocks. A block whose unlink an
+        interrupt cut short is not left marked (the puts of it, and the budget of every
+        other thread, waited on this thread's next call, which may never come): its files
+        are charged to the budget as a block of another version is (``_others``), removed
+        when room is needed, written over by a put of it, removed by a delete of it."""
         keys = getattr(self._doomed, "keys", None)
         if not keys:
             return
         done = 0
         try:
             for key in keys:
-                data_path, side_path = self._paths(key)
-                _unlink(side_path)  # the commit record goes first: a crash leaves an orphan, not a torn block
-                _unlink(data_path)
+                for path in self._paths(key)[::-1]:  # the commit record first: a crash leaves an orphan
+                    if self._lost is None:  # (looked at before each: a batch's unlinks take seconds)
+                        _unlink(path)
                 done += 1
         finally:
-            # (an interrupt half way: the keys left stay this thread's, for ``_open_call``'s try)
-            gone, self._doomed.keys = keys[:done], keys[done:]
-            removals = []
+            self._doomed.keys, self._doomed.counted = [], 0
             with self._lock:
-                for key in gone:
+                for i, key in enumerate(keys):
                     removal = self._removing.pop(key)
                     self._removing_bytes -= removal.nbytes
-                    self._doomed.nbytes -= removal.nbytes
-                    self._unlinks[key[0]] += 1
-                    removals.append(removal)
-            for removal in removals:
-                removal.done.set()
+                    if removal.counted:
+                        self._removing_counted -= removal.nbytes
+                    if i < done:
+                        if self._lost is None:
+                            self._unlinks[key[0]] += 1
+                    elif self._lost is None:
+                        self._others[key] = removal.nbytes
+                        self._others_bytes += removal.nbytes
+                    removal.done.set()
 
     @contextmanager
     def _open_call(self) -> Iterator[None]:
@@ -1010,19 +1047,36 @@ class DiskTier(IndexedTier):
             if not gave_up:
                 raise self._spared(n)
 
+    def _made_room(self, n: int, evicted: list[tuple[bytes, BlockFrame | None]], spare: Container[bytes] = ()) -> bool:
+        """``_make_room``; whether it marked any block for removal (the caller then unlinks
+        them, and looks again before it takes the room). Under the lock."""
+        since = self._doomed_count()
+        self._make_room(n, evicted, spare)
+        return self._doomed_count() > since
+
     def _trim(self, evicted: list[tuple[bytes, BlockFrame | None]], spare: Container[bytes] = ()) -> None:
         """Evict until the budget holds again. Under the lock, after indexing a write: a
         claim cannot evict blocks still being written by other threads, so concurrent writes
         may together overshoot it; the last of them to be indexed evicts the excess. A
         victim kept for a shortage ends the trim: the tier stays over its budget until the
-        next write trims, rather than lose a block (the write is committed: it stands)."""
-        self._shed_others(self._index.used_bytes + self._removing_elsewhere())
-        while self._index.used_bytes + self._removing_elsewhere() > self.capacity_bytes and self._index.evictable:
-            try:
-                if not self._evict_one(evicted, spare):
+        next write trims, rather than lose a block (the write is committed: it stands).
+
+        Blocks being unlinked are not counted, and its own victims count as held for no
+        other writer (``_uncount``): they make room for blocks already indexed, so counted,
+        every writer meanwhile evicted a block more for them, and the tier ended under its
+        budget. Their files stay on the filesystem only until this thread unlinks them, as
+        the overshoot they correct did."""
+        since = self._doomed_count()
+        try:
+            self._shed_others(self._index.used_bytes)
+            while self._index.used_bytes > self.capacity_bytes and self._index.evictable:
+                try:
+                    if not self._evict_one(evicted, spare):
+                        return
+                except _Unreadable:
                     return
-            except _Unreadable:
-                return
+        finally:
+            self._uncount(since)
 
     def trim(self) -> list[tuple[bytes, BlockFrame | None]]:
         """Evict, least recently used first and never a pinned block, until the budget holds;
@@ -1163,32 +1217,36 @@ class DiskTier(IndexedTier):
             raise self._too_large(meta.nbytes)
         data_path, side_path = self._paths(key)
         mine: _InFlight | None = None
-        removal: _Removal | None = None
-        pending: _InFlight | None = None
         try:
-            # (marked inside the ``try``: an interrupt as the lock was let go left the block in
-            # flight for good, its room held, and the next put of it, and close, waiting for ever)
-            with self._lock:
-                present = key in self._index and self._still_whole(key)
+            while mine is None:
+                removal: _Removal | None = None
+                pending: _InFlight | None = None
+                try:
+                    # (marked inside the ``try``: an interrupt as the lock was let go left the block in
+                    # flight for good, its room held, and the next put of it, and close, waiting for ever)
+                    with self._lock:
+                        present = key in self._index and self._still_whole(key)
+                        if present:
+                            self._index.touch([key])
+                        # (its old files still being unlinked: written now, they went with them)
+                        elif (removal := self._removing.get(key)) is None and \
+                                (pending := self._writing.get(key)) is None:
+                            self._refuse_beside_pins(key, n)
+                            self._forget_other(key)  # (its files are about to be written over)
+                            # The room is taken once the victims are gone: see ``_removing_elsewhere``.
+                            if not self._made_room(n, evicted, spare):
+                                mine = self._writing[key] = self._hold_room(key, n)
+                finally:
+                    self._settle_removals()  # (the victims' room freed before this frame takes it)
                 if present:
-                    self._index.touch([key])
-                # (its old files still being unlinked: written now, they went with them)
-                elif (removal := self._removing.get(key)) is None and (pending := self._writing.get(key)) is None:
-                    self._refuse_beside_pins(key, n)
-                    self._forget_other(key)  # (its files are about to be written over)
-                    self._make_room(n, evicted, spare)
-                    mine = self._writing[key] = self._hold_room(key, n)
-            self._settle_removals()  # (the victims' room freed before this frame takes it)
-            if present:
-                return TierPutResult(stored=None)
-            if removal is not None:
-                removal.done.wait()
-                return self._put_one(key, frame, evicted, spare)
-            if pending is not None:
-                # Waited for outside the lock: that write takes the lock to commit.
-                answer = self._await(key, pending)
-                return answer if answer is not None else self._put_one(key, frame, evicted, spare)
-            assert mine is not None
+                    return TierPutResult(stored=None)
+                if removal is not None:
+                    removal.done.wait()
+                elif pending is not None:
+                    # Waited for outside the lock: that write takes the lock to commit.
+                    answer = self._await(key, pending)
+                    if answer is not None:
+                        return answer
             self._write_atomic(data_path, segments)
             self._write_atomic(side_path, [_sidecar(key, meta)])
             if self.fsync:
@@ -1254,22 +1312,25 @@ class DiskTier(IndexedTier):
         that cannot be read (its error is the frame's own then, not the call's). ``spare``: a
         ``SoftSpare``, given up last (made for one frame too: its claim would not spare it)."""
         evicted: list[tuple[bytes, BlockFrame | None]] = []
-        with self._lock:
-            new = {key: self.charge(frame.meta.nbytes) for key, frame in items
-                   if key not in self._index and key not in self._writing}
-            need = sum(new.values()) + room_for
-            if not new or len(new) == 1 and not room_for and not spare:
-                return evicted  # (one frame: its own claim makes the same room)
-            if need > self.capacity_bytes or not self._fits_beside_pins(need):
-                return evicted
-            self._shed_others(self._index.used_bytes + self._writing_bytes() + need)
-            while self._index.used_bytes + self._writing_bytes() + need > self.capacity_bytes and self._index.evictable:
-                try:
-                    if not self._evict_one(evicted, spare):
-                        break  # (never, for a soft spare, while anything is evictable)
-                except _Unreadable:
-                    break
-        self._settle_removals()
+        try:
+            with self._lock:
+                new = {key: self.charge(frame.meta.nbytes) for key, frame in items
+                       if key not in self._index and key not in self._writing}
+                need = sum(new.values()) + room_for
+                if not new or len(new) == 1 and not room_for and not spare:
+                    return evicted  # (one frame: its own claim makes the same room)
+                if need > self.capacity_bytes or not self._fits_beside_pins(need):
+                    return evicted
+                self._shed_others(self._index.used_bytes + self._writing_bytes() + need)
+                while self._index.used_bytes + self._writing_bytes() + need > self.capacity_bytes and \
+                        self._index.evictable:
+                    try:
+                        if not self._evict_one(evicted, spare):
+                            break  # (never, for a soft spare, while anything is evictable)
+                    except _Unreadable:
+                        break
+        finally:
+            self._settle_removals()
         return evicted
 
     def _put_group(self, items: list[tuple[bytes, BlockFrame]]) -> list[TierPutResult]:
@@ -1318,6 +1379,7 @@ class DiskTier(IndexedTier):
             self._finish(group)
             raise
         self._commit_part(group, results)
+        self._settle_removals()  # (none left marked while it waits on other threads: see ``_settle_removals``)
         for i, key, pending in waits:
             try:
                 answer = self._await(key, pending)
@@ -1369,27 +1431,32 @@ class DiskTier(IndexedTier):
             while True:
                 answer: _Pending | _InFlight | TierPutResult | None = None
                 removal: _Removal | None = None
-                with self._lock:
-                    if key in self._index and self._still_whole(key):
-                        self._index.touch([key])
-                        answer = TierPutResult(stored=None)
-                    elif (removal := self._removing.get(key)) is not None:
-                        pass  # (see ``_put_one``)
-                    elif (pending := self._writing.get(key)) is not None:
-                        answer = pending
-                    else:
-                        self._refuse_beside_pins(key, n)
-                        self._forget_other(key)  # (its files are about to be written over)
-                        self._make_room(n, evicted)
-                        if held and self._index.used_bytes + self._writing_bytes() + n > self.capacity_bytes:
-                            answer = None
+                again = False
+                try:
+                    with self._lock:
+                        if key in self._index and self._still_whole(key):
+                            self._index.touch([key])
+                            answer = TierPutResult(stored=None)
+                        elif (removal := self._removing.get(key)) is not None:
+                            pass  # (see ``_put_one``)
+                        elif (pending := self._writing.get(key)) is not None:
+                            answer = pending
                         else:
-                            mine = self._writing[key] = self._hold_room(key, n)
-                            answer = _Pending(key, frame, segments, sidecar, data_path, side_path, mine, evicted)
-                self._settle_removals()
-                if removal is None:
+                            self._refuse_beside_pins(key, n)
+                            self._forget_other(key)  # (its files are about to be written over)
+                            if self._made_room(n, evicted):
+                                again = True  # (the room taken once the victims are gone: see ``_put_one``)
+                            elif held and self._index.used_bytes + self._writing_bytes() + n > self.capacity_bytes:
+                                answer = None
+                            else:
+                                mine = self._writing[key] = self._hold_room(key, n)
+                                answer = _Pending(key, frame, segments, sidecar, data_path, side_path, mine, evicted)
+                finally:
+                    self._settle_removals()
+                if removal is not None:
+                    removal.done.wait()
+                elif not again:
                     return answer
-                removal.done.wait()
         except BaseException as exc:
             if mine is not None:  # (nothing written yet: no file to remove)
                 self._undo_write(key, mine, n, (), _write_error(self.name, data_path, exc))
@@ -1483,35 +1550,37 @@ class DiskTier(IndexedTier):
                     for path in (p.side_path, p.side_tmp, p.data_path, p.data_tmp):  # commit record first
                         if path is not None:
                             _unlink(path)
-            with self._lock:
-                committed = 0
-                for p in group:
-                    if p.error is None and (error := self._refused_at_commit(p.key, p.flight.nbytes)) is not None:
-                        p.error = error
-                        refused.append(p)  # still in flight until its files are gone
-                        continue
-                    del self._writing[p.key]
-                    self._release(p.flight, p.flight.nbytes)
-                    released.add(id(p))
-                    if p.error is not None:
-                        settled.add(id(p))
-                        self._write_failed(p.error)  # (one without room goes again: counted if it fails again)
-                        continue
-                    meta = p.frame.meta
-                    self._index.add(p.key, BlockInfo(meta.nbytes, meta.raw_nbytes, meta.parent_hash, meta.position,
-                                                     p.flight.nbytes))
-                    settled.add(id(p))  # (after it is indexed: one interrupted before is answered failed)
-                    self._stats.bytes_in += meta.nbytes
-                    self._stats.admissions += 1
-                    committed += 1
-                    last = p
-                if committed:
-                    self._writable_again()
-                    self._trim(last.evicted)
-                self._group["batches"] += 1
-                self._group["frames"] += committed
-                self._sync_counts()
-            self._settle_removals()
+            try:
+                with self._lock:
+                    committed = 0
+                    for p in group:
+                        if p.error is None and (error := self._refused_at_commit(p.key, p.flight.nbytes)) is not None:
+                            p.error = error
+                            refused.append(p)  # still in flight until its files are gone
+                            continue
+                        del self._writing[p.key]
+                        self._release(p.flight, p.flight.nbytes)
+                        released.add(id(p))
+                        if p.error is not None:
+                            settled.add(id(p))
+                            self._write_failed(p.error)  # (one without room goes again: counted if it fails again)
+                            continue
+                        meta = p.frame.meta
+                        self._index.add(p.key, BlockInfo(meta.nbytes, meta.raw_nbytes, meta.parent_hash, meta.position,
+                                                         p.flight.nbytes))
+                        settled.add(id(p))  # (after it is indexed: one interrupted before is answered failed)
+                        self._stats.bytes_in += meta.nbytes
+                        self._stats.admissions += 1
+                        committed += 1
+                        last = p
+                    if committed:
+                        self._writable_again()
+                        self._trim(last.evicted)
+                    self._group["batches"] += 1
+                    self._group["frames"] += committed
+                    self._sync_counts()
+            finally:
+                self._settle_removals()
             for p in refused:
                 assert p.error is not None  # (refused: set at the commit, above)
                 self._undo_write(p.key, p.flight, p.flight.nbytes, (p.side_path, p.data_path), p.error, renamed=True)
@@ -1683,10 +1752,11 @@ class DiskTier(IndexedTier):
         leaves the index before its files go, under this lock, and no write of the block
         begins until they are gone; a block in the index is never being written), so the
         failure is the files' own: damage, or a data file lost while its sidecar stayed.
-        Its files are unlinked once the lock is let go (``_settle_removals``)."""
+        Its files are unlinked once the lock is let go (``_settle_removals``), held for no
+        other writer's room meanwhile: they made room for none."""
         if self._index.get(key) is not info:
             return False
-        self._doom(key, info.charge)
+        self._doom(key, info.charge, counted=False)
         self._index.remove(key)
         return True
 
