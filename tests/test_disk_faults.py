@@ -956,3 +956,89 @@ def test_a_refit_while_writes_are_in_flight_keeps_the_headroom(tmp_path, monkeyp
         tier._finish([p for p in claimed if isinstance(p, disk._Pending)])
     finally:
         tier.close()
+
+
+def test_a_refit_while_a_write_has_written_but_not_committed_evicts_nothing_for_it(tmp_path, monkeypatch):
+    """What a write in flight has written is neither in the filesystem's free space nor held
+    until it commits: a refit that left it out lowered the budget by that much, and the next
+    put evicted cached blocks down to it for good (19 where 1 was needed, here)."""
+    from types import SimpleNamespace
+
+    unit, size, flying = 4096, 4 << 20, 1 << 20
+    root = tmp_path / "d"
+
+    def free() -> int:  # a filesystem of ``size`` bytes holding the directory's files and nothing else
+        return size - sum(direct_io.round_up(max(p.stat().st_size, 1), unit) for p in root.rglob("*") if p.is_file())
+
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=free() // unit, f_frsize=unit,
+                                                                    f_bsize=unit, f_blocks=size // unit))
+    monkeypatch.setattr(disk, "REFIT_SECONDS", 0.0)
+    tier = DiskTier(root, 1 << 40, fsync=False)
+    try:
+        i = 1
+        while tier.stats().used_bytes + flying + tier.charge(raw_frame(i)[1].meta.nbytes) <= tier.capacity_bytes:
+            tier.put(*raw_frame(i))
+            i += 1
+        budget, blocks = tier.capacity_bytes, len(tier._index)
+        # A write of 1 MiB in flight: its room held, its bytes written, not committed yet.
+        with tier._lock:
+            tier._reserved += flying
+        (root / "ab" / ".tmp-in-flight").write_bytes(bytes(flying))
+        tier._refit()
+        assert tier.capacity_bytes == budget
+        evictions = tier.stats().evictions
+        tier.put(*raw_frame(i))  # the one block the budget has no room for beside the write in flight
+        assert tier.stats().evictions - evictions == 1 and len(tier._index) == blocks
+        (root / "ab" / ".tmp-in-flight").unlink()
+        with tier._lock:
+            tier._reserved -= flying
+    finally:
+        tier.close()
+
+
+def test_a_second_interrupt_as_an_evictions_unlinks_are_settled_leaves_no_block_marked(tmp_path, monkeypatch):
+    """A put interrupted in its victim's unlink, and again as the settle took the lock to let
+    the victim go: the thread's marks were cleared first, so no settle ever came for it, and
+    every put and delete of that block waited for ever."""
+    root = tmp_path / "d"
+    probe = DiskTier(root, 1 << 30, fsync=False)
+    probe.put(*raw_frame(1))
+    charge = probe.stats().used_bytes
+    probe.close()
+    shutil.rmtree(root)
+    tier = DiskTier(root, 4 * charge, fsync=False)
+    for i in range(1, 5):
+        tier.put(*raw_frame(i))
+    real_lock, real_unlink, armed = tier._lock, disk._unlink, [False]
+
+    class SecondInterrupt:  # the tier's lock, but for one interrupt as it is taken
+        def __enter__(self):
+            if armed[0]:
+                armed[0] = False
+                raise KeyboardInterrupt("second")
+            return real_lock.__enter__()
+
+        def __exit__(self, *exc):
+            return real_lock.__exit__(*exc)
+
+    def unlink(path):
+        monkeypatch.setattr(disk, "_unlink", real_unlink)
+        armed[0] = True
+        raise KeyboardInterrupt("first")
+
+    tier._lock = SecondInterrupt()
+    monkeypatch.setattr(disk, "_unlink", unlink)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tier.put(*raw_frame(5))
+        tier._lock = real_lock
+        assert not tier._removing and tier._removing_bytes == 0
+        victims = [raw_frame(i) for i in range(1, 5) if not tier.contains(raw_frame(i)[0])]
+        assert victims
+        put = threading.Thread(target=tier.put, args=victims[0])
+        put.start()
+        put.join(10)
+        assert not put.is_alive() and tier.contains(victims[0][0])
+    finally:
+        tier._lock = real_lock
+        tier.close()

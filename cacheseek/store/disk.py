@@ -485,13 +485,17 @@ class DiskTier(IndexedTier):
                         _unlink(path)
                 done += 1
         finally:
-            self._doomed.keys, self._doomed.counted = [], 0
+            # (the thread's marks are cleared last, and a key already settled is passed over:
+            # a second interrupt in here leaves the rest to the next settle, ``_open_call``'s)
             with self._lock:
                 for i, key in enumerate(keys):
-                    removal = self._removing.pop(key)
+                    removal = self._removing.pop(key, None)
+                    if removal is None:
+                        continue
                     self._removing_bytes -= removal.nbytes
                     if removal.counted:
                         self._removing_counted -= removal.nbytes
+                        self._doomed.counted -= removal.nbytes
                     if i < done:
                         if self._lost is None:
                             self._unlinks[key[0]] += 1
@@ -499,6 +503,7 @@ class DiskTier(IndexedTier):
                         self._others[key] = removal.nbytes
                         self._others_bytes += removal.nbytes
                     removal.done.set()
+                self._doomed.keys, self._doomed.counted = [], 0
 
     @contextmanager
     def _open_call(self) -> Iterator[None]:
@@ -711,14 +716,24 @@ class DiskTier(IndexedTier):
         free = 0 if full else st.f_bavail * st.f_frsize
         with self._lock:
             self._fitted_at = time.monotonic()
-            # (not the writes in flight: what they have yet to write is still in ``free``, and
-            # counted in both, a refit under load raised the budget by nearly what was in flight,
-            # past the headroom and even the filesystem's size; what they have written is in
-            # neither, until they commit: a budget lower by that much, for a moment)
+            # The writes in flight are in ``free`` for what they have yet to write and in
+            # neither for what they have written, until they commit: the true room lies between
+            # the fit without them (``room``) and the fit with them held (``ceiling``). The
+            # budget comes down only where it is over the ceiling, and goes up only where it is
+            # under the floor: counted in both, a refit under load raised it past the headroom
+            # (even the filesystem's size); counted in neither, it lowered it by what had been
+            # written, and the next commit evicted cached blocks down to that for good.
             held = self._index.used_bytes + self._others_bytes + self._removing_bytes
             headroom = 0 if full else int((held + free) * FREE_SPACE_HEADROOM)
             room = min(self.requested_bytes, held + free - headroom)
             before = self.capacity_bytes
+            if not full:
+                flying = self._reserved
+                ceiling = min(self.requested_bytes,
+                              held + flying + free - int((held + flying + free) * FREE_SPACE_HEADROOM))
+                if room <= before <= ceiling:
+                    return
+                room = ceiling if before > ceiling else room
             if room == before or (at_start and room > before):
                 return
             self.capacity_bytes = self._stats.capacity_bytes = room
