@@ -90,4 +90,5 @@ export CACHESEEK_TRANSFORMERS4_PYTHON="$TF4_VENV/bin/python"
 # CACHESEEK_TEST_WORKERS=0 runs everything in this process.
 WORKERS=${CACHESEEK_TEST_WORKERS:-$("$PY" -c "import os; print(min(4, len(os.sched_getaffinity(0))))")}
 # --durations: a run near its time budget (20 minutes on 2 cores) says where the time went.
-exec "$PY" -m pytest -n "$WORKERS" --dist loadfile --durations=25 "$@"
+# --no-loadscope-reorder: files in tests/conftest.py's order, the longest first.
+exec "$PY" -m pytest -n "$WORKERS" --dist loadfile --no-loadscope-reorder --durations=25 "$@"

@@ -1030,6 +1030,19 @@ def test_the_test_command_installs_what_the_suite_skips_without():
     assert not problems, "\n".join(problems)
 
 
+def test_the_suites_longest_first_order_names_test_files_and_the_test_command_keeps_it():
+    """tests/conftest.py starts the longest files first; a name there that is no test file
+    (one renamed) would drop out of the order unnoticed, and without --no-loadscope-reorder
+    xdist puts the files in order of their number of tests instead."""
+    from conftest import LONGEST_FIRST
+
+    files = {p.name for p in (ROOT / "tests").glob("test_*.py")}
+    assert [name for name in LONGEST_FIRST if name not in files] == []
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
+    script = (ROOT / "scripts" / "test.sh").read_text(encoding="utf-8")
+    assert re.search(r'^exec "\$PY" -m pytest -n "\$WORKERS" --dist loadfile --no-loadscope-reorder ', script, re.M)
+
+
 def test_every_module_the_tests_import_is_a_requirement_the_test_command_installs():
     """A module a test imports comes from a requirement of the extras scripts/test.sh
     installs (or the base ones), not only from what another package happens to pull in
