@@ -314,9 +314,7 @@ class Owners:
         new_root = False
         with self._lock:
             for key, tag in tagged:
-                self._came[key] = tag
-            while len(self._came) > self.max_left:
-                del self._came[next(iter(self._came))]
+                self._keep_came(key, tag)
             for root, tag in heads:
                 owner = self._owner_of(tag)
                 if owner is None or owner == UNATTRIBUTED or self._roots.get(root) == owner:
@@ -327,6 +325,13 @@ class Owners:
                 new_root = True
         if new_root:
             self._save()
+
+    def _keep_came(self, key: bytes, tag: str) -> None:
+        """(Under the lock.) ``key``'s tag until it enters a local tier; the oldest out past
+        ``max_left``."""
+        self._came[key] = tag
+        while len(self._came) > self.max_left:
+            del self._came[next(iter(self._came))]
 
     def _owner_of(self, tag: str) -> int | None:
         """(Under the lock.) The owner a tag names, made if its names were heard; None if this
@@ -383,9 +388,7 @@ class Owners:
                 if tag is not None and not getattr(self._thread, "deleting", False):
                     # (on its way down a tier, as ``_left`` is for an owner's: the copy it
                     # lands as keeps its tag, and its flush)
-                    self._came[key] = tag
-                    if len(self._came) > self.max_left:
-                        del self._came[next(iter(self._came))]
+                    self._keep_came(key, tag)
             self._gone_seq += 1
             if owner != UNATTRIBUTED and not getattr(self._thread, "deleting", False):
                 self._left[key] = owner
