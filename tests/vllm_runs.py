@@ -2,7 +2,8 @@
 
     python tests/vllm_runs.py '{"scenario": "share", "extra": {"codec": "raw", ...}}'
 
-prints ``RESULT {json}`` as its last line. tests/test_vllm_connector.py and
+prints ``RESULT {json}`` as its last line. ``python tests/vllm_runs.py --serve`` runs many
+scenarios, each in a process forked from one that imported vLLM once (``serve``). tests/test_vllm_connector.py and
 benchmarks/vllm_ttft.py run it under a Python that has vLLM (``CACHESEEK_VLLM_PYTHON``, or
 their own), because vLLM's CPU worker binds the threads of its process and keeps its
 connector in a process-wide global: one engine per process keeps both out of the tests.
@@ -15,11 +16,15 @@ its KV transfer group) besides vLLM's own metrics.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
+import select
 import signal
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -1278,8 +1283,16 @@ SCENARIOS = {f.__name__: f for f in (share, sharers, planned_ahead, preemption, 
                                                prefill_decode)}
 
 
-def main() -> None:
-    job = json.loads(sys.argv[1])
+# What every engine process imports (vLLM's engine, CPU worker and model code, the
+# connector): ~10 CPU-s of each engine process on a two-core machine, paid once by `serve`.
+PRELOAD = ("vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker", "vllm.entrypoints.launchers.cli_args",
+           "vllm.model_executor.layers.quantization.online.base", "compressed_tensors",
+           "cacheseek.integrations.vllm.connector", "cacheseek.prefix_cache", "cacheseek.integrations.smollm2",
+           "cacheseek.integrations.texts")
+
+
+def run_job(job: dict[str, Any]) -> None:
+    """One scenario; its ``RESULT`` line on stdout, then this process ends."""
     if job.get("stacks_after"):  # a run that hangs says where before its caller kills it
         import faulthandler
 
@@ -1288,6 +1301,74 @@ def main() -> None:
     sys.stdout.flush()
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # vLLM's engine teardown on CPU adds seconds and nothing a test needs
+
+
+def serve() -> None:
+    """Jobs from stdin, one JSON line each (``{"id": ..., "job": {...}, "out": PATH, "err":
+    PATH}``), each run in a child forked from this process once PRELOAD is imported. The
+    child writes its stdout and stderr to ``out`` and ``err`` and leads a process group of
+    its own, so that a caller killing a run that hangs takes its tensor-parallel workers
+    too. This prints ``started ID PID`` and ``exited ID RC`` (a signal's as its negative
+    number). stdin's end (the caller gone) kills the runs left and ends it."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    if threading.active_count() != 1:  # a fork keeps only the forking thread, with the others' locks held
+        raise RuntimeError(f"importing vLLM started threads {threading.enumerate()}: no fork is safe here")
+    running: dict[int, str] = {}
+    pending = b""
+
+    def say(*words: object) -> None:
+        sys.stdout.write(" ".join(map(str, words)) + "\n")
+        sys.stdout.flush()
+
+    while True:
+        ready, _, _ = select.select([0], [], [], 0.2 if running else None)
+        while running:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            say("exited", running.pop(pid), os.waitstatus_to_exitcode(status))
+        if not ready:
+            continue
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            break
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            req = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                _child(req)
+            running[pid] = req["id"]
+            say("started", req["id"], pid)
+    for pid in running:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _child(req: dict[str, Any]) -> None:
+    try:
+        os.setpgid(0, 0)
+        null = os.open(os.devnull, os.O_RDONLY)
+        out = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        err = os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for fd, to in ((null, 0), (out, 1), (err, 2)):
+            os.dup2(fd, to)
+            os.close(fd)
+        run_job(req["job"])
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+    os._exit(1)
+
+
+def main() -> None:
+    if sys.argv[1] == "--serve":
+        serve()
+    else:
+        run_job(json.loads(sys.argv[1]))
 
 
 if __name__ == "__main__":
