@@ -140,7 +140,10 @@ class EngineHost:
         try:
             code: int | None = exited.result(timeout=timeout)
         except FutureTimeout:
-            os.killpg(pid, signal.SIGKILL)
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:  # (it ended just now)
+                pass
             exited.result(timeout=60)
             code = None
         return code, out.read_text(errors="replace"), err.read_text(errors="replace")

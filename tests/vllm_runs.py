@@ -2,8 +2,8 @@
 
     python tests/vllm_runs.py '{"scenario": "share", "extra": {"codec": "raw", ...}}'
 
-prints ``RESULT {json}`` as its last line. ``python tests/vllm_runs.py --serve`` runs many
-scenarios, each in a process forked from one that imported vLLM once (``serve``). tests/test_vllm_connector.py and
+prints ``RESULT {json}`` as its last line; ``python tests/vllm_runs.py --serve`` runs many,
+each in a process forked from one that imported vLLM once. tests/test_vllm_connector.py and
 benchmarks/vllm_ttft.py run it under a Python that has vLLM (``CACHESEEK_VLLM_PYTHON``, or
 their own), because vLLM's CPU worker binds the threads of its process and keeps its
 connector in a process-wide global: one engine per process keeps both out of the tests.
@@ -1339,6 +1339,10 @@ def serve() -> None:
             pid = os.fork()
             if pid == 0:
                 _child(req)
+            try:  # (here too: the caller may kill the group before the child has made it)
+                os.setpgid(pid, pid)
+            except OSError:  # (the child made it first, or has run and gone)
+                pass
             running[pid] = req["id"]
             say("started", req["id"], pid)
     for pid in running:
