@@ -188,3 +188,20 @@ def test_host_codec_tiny_runs_every_codec_against_a_memcpy_of_the_same_run(tmp_p
     assert row["encode_old_gbps"] == doc["rows"][2]["encode_gbps"]
     assert row["decode_speedup"] == pytest.approx(row["decode_gbps"] / doc["rows"][2]["decode_gbps"])
     assert "materialize_speedup" in printed_columns(proc.stdout)
+
+
+@pytest.mark.slow  # ~10 s: two servers, a client and a disk-load process, 3 rounds of 2 s each
+def test_write_back_posts_to_both_servers_in_turn_under_load(tmp_path):
+    """Both servers are posted to in every counted round, and each row carries its p50 and
+    p99 over the write-through server's of the same run."""
+    proc = run_benchmark("write_back", "--seconds", "4", "--blocks", "2", "--disk-load", "1", "--cpu-load", "0",
+                         out=tmp_path)
+    doc = json.loads((tmp_path / "write_back.json").read_text())
+    rows = {r["server"]: r for r in doc["rows"]}
+    assert sorted(rows) == ["write-back", "write-through"] and doc["disk_load"] == 1
+    assert rows["write-through"]["p50_vs_write_through"] == 1
+    for r in rows.values():
+        assert r["posts"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
+    back, through = rows["write-back"], rows["write-through"]
+    assert back["p50_vs_write_through"] == pytest.approx(back["p50_ms"] / through["p50_ms"])
+    assert {"server", "p50_ms", "p99_ms", "p50_vs_write_through"} <= printed_columns(proc.stdout)

@@ -67,6 +67,9 @@ def test_raw_is_exact_through_demotion_and_promotion(tmp_path):
     assert cache.locate(toks).tiers == ["cpu"] * 3 + ["disk"] * 5
     stats = {t["name"]: t for t in cache.stats()["tiers"]}
     assert stats["disk"]["demotions"] == 5 and stats["cpu"]["evictions"] == 5
+    # The write's victims went down as one group commit, their fsyncs overlapping: one by
+    # one, a write-back ingest waited for three fsyncs in a row per block it evicted.
+    assert stats["disk"]["group_commits"] == {"batches": 1, "frames": 5, "dir_fsyncs": 5}
     assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
     # The CPU tier could not serve the 5 blocks the disk did: its misses, as a server's reads
     # count them (a PrefixCache's left it at 0).
