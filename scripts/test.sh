@@ -84,11 +84,12 @@ assert torch.__file__.startswith('$PARENT_SITE')" 2>/dev/null; then
 fi
 export CACHESEEK_TRANSFORMERS4_PYTHON="$TF4_VENV/bin/python"
 
-# One pytest worker per core, at most 4 (each imports torch; the vLLM tests run two engines
-# of their own), a test file to a worker: most of the suite waits on servers, subprocesses
-# and sockets, so a lone worker left a 2-core machine half idle (18 min against 13).
+# One pytest worker per core and one more, at most 4 (each imports torch; the vLLM tests run
+# two engines of their own), a test file to a worker: much of the suite waits on servers,
+# subprocesses and sockets, so a lone worker left a 2-core machine half idle (18 min against
+# 13), and two left it ~20% idle (on 2 cores, 3 workers: 20.0-20.5 min against 22-27).
 # CACHESEEK_TEST_WORKERS=0 runs everything in this process.
-WORKERS=${CACHESEEK_TEST_WORKERS:-$("$PY" -c "import os; print(min(4, len(os.sched_getaffinity(0))))")}
+WORKERS=${CACHESEEK_TEST_WORKERS:-$("$PY" -c "import os; print(min(4, len(os.sched_getaffinity(0)) + 1))")}
 # --durations: a run near its time budget (20 minutes on 2 cores) says where the time went.
 # --no-loadscope-reorder: files in tests/conftest.py's order, the longest first.
 exec "$PY" -m pytest -n "$WORKERS" --dist loadfile --no-loadscope-reorder --durations=25 "$@"
