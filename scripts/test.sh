@@ -87,7 +87,7 @@ export CACHESEEK_TRANSFORMERS4_PYTHON="$TF4_VENV/bin/python"
 # One pytest worker per core and one more, at most 4 (each imports torch; the vLLM tests run
 # two engines of their own), a test file to a worker: much of the suite waits on servers,
 # subprocesses and sockets, so a lone worker left a 2-core machine half idle (18 min against
-# 13), and two left it ~20% idle (on 2 cores, 3 workers: 20.0-20.5 min against 22-27).
+# 13), and two left it ~20% idle (on 2 cores, 3 workers: 20.5-21.7 min against 22-27).
 # CACHESEEK_TEST_WORKERS=0 runs everything in this process.
 WORKERS=${CACHESEEK_TEST_WORKERS:-$("$PY" -c "import os; print(min(4, len(os.sched_getaffinity(0)) + 1))")}
 # --durations: a run near its time budget (20 minutes on 2 cores) says where the time went.
