@@ -53,6 +53,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -278,10 +279,11 @@ def run_clients(pool_size: int, system: str, target: str, per_client: int, reps:
 # -- the measurements ----------------------------------------------------------------------------
 
 
-def chain_frames(n: int, seed: int) -> list[tuple[bytes, bytes]]:
+def chain_frames(n: int, seed: int, **shape: Any) -> list[tuple[bytes, bytes]]:
+    """A chain of ``n`` frames; ``shape``: ``make_frame``'s layout, block and codec."""
     out, parent = [], bytes(16)
     for i in range(n):
-        h, f = make_frame(seed * 100_000 + i, position=i, parent=parent)
+        h, f = make_frame(seed * 100_000 + i, position=i, parent=parent, **shape)
         out.append((h, f))
         parent = h
     return out

@@ -34,7 +34,7 @@ from cacheseek.layout import KVLayout
 from cacheseek.quant import Raw
 
 from .report import table, write_json
-from .server import BATCH_TYPE, Proc, export_tree, make_frame, start_cacheseek
+from .server import BATCH_TYPE, Proc, chain_frames, export_tree, start_cacheseek
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="float16")
 BLOCK = 128  # tokens: a Raw frame of ~256 KiB
@@ -59,12 +59,7 @@ def _cpu_load(stop_at: float) -> None:
 
 
 def _chain(seed: int, n: int) -> list[tuple[bytes, bytes]]:
-    out, parent = [], bytes(16)
-    for i in range(n):
-        h, f = make_frame(seed * 1000 + i, position=i, parent=parent, layout=LAYOUT, block=BLOCK, codec=Raw())
-        out.append((h, f))
-        parent = h
-    return out
+    return chain_frames(n, seed, layout=LAYOUT, block=BLOCK, codec=Raw())
 
 
 def _post(c: httpx.Client, chain: list[tuple[bytes, bytes]]) -> float:
